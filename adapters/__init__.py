@@ -1,0 +1,1 @@
+"""Framework adapters: plain PyTorch, DeepSpeed, Megatron-Core (installed as entrain_data.adapters)."""

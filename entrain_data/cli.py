@@ -1,0 +1,71 @@
+"""``entrain-data``: the command-line entry point.
+
+Core commands (models, synth, profile, plan) are registered here; the loader
+service and demo register theirs through the ``entrain_data.cli`` entry-point
+group, so the core never imports workers/ or adapters/.
+
+Every expected failure (an :class:`~entrain_data.errors.EntrainError`, bad
+arguments) prints one line ``entrain-data: error: ...`` and exits 2, never a
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from importlib.metadata import entry_points
+
+from .errors import EntrainError
+
+__all__ = ["main", "build_parser"]
+
+Handler = Callable[[argparse.Namespace], int | None]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse's own errors: one line, exit 2
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _core_registrars() -> list[Callable[[argparse._SubParsersAction], None]]:
+    from . import cli_models, cli_plan
+
+    return [cli_models.register, cli_plan.register]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full parser: core commands plus those of installed plugins."""
+    parser = _Parser(prog="entrain-data", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for register in _core_registrars():
+        register(sub)
+    for ep in sorted(entry_points(group="entrain_data.cli"), key=lambda e: e.name):
+        ep.load()(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the process exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    handler: Handler = args.handler
+    try:
+        return int(handler(args) or 0)
+    except EntrainError as exc:
+        print(f"entrain-data: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("entrain-data: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
