@@ -1,0 +1,187 @@
+"""Raw sizes (pixels, frames, seconds) to tokens, for a given encoder, vectorised over items.
+
+Each function mirrors the published preprocessing of the model family, so the
+token counts (and so the attention sequence lengths) are the ones training
+sees: Qwen2-VL ``smart_resize`` for dynamic resolution, InternVL dynamic tiling
+for tiles, a fixed resize for SigLIP/CLIP-style encoders, Whisper's padded 30 s
+windows for audio. Every function returns an :class:`ItemTokens` whose arrays
+are per item (image, video clip, audio clip).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .presets import ModuleConfig
+
+__all__ = ["ItemTokens", "vision_tokens", "audio_tokens", "smart_resize", "internvl_tiles"]
+
+
+@dataclass(frozen=True)
+class ItemTokens:
+    """Per item: attended sequences and their lengths, and what reaches the LLM.
+
+    ``n_seq`` sequences of ``seq_len`` tokens each attend within themselves
+    (frames groups, tiles, audio windows); ``window_sumsq`` is the sum of
+    squared attention-window lengths in window-attention layers (equal to
+    ``n_seq * seq_len**2`` when the encoder has no window attention).
+    """
+
+    n_seq: np.ndarray  # int64
+    seq_len: np.ndarray  # int64
+    window_sumsq: np.ndarray  # float64
+    llm_tokens: np.ndarray  # int64
+    embed_units: np.ndarray  # float64: patches (vision) or 30 s windows (audio) through the stem
+
+    @property
+    def encoder_tokens(self) -> np.ndarray:
+        return self.n_seq * self.seq_len
+
+    @property
+    def full_sumsq(self) -> np.ndarray:
+        return self.n_seq.astype(np.float64) * self.seq_len.astype(np.float64) ** 2
+
+
+def smart_resize(
+    height: np.ndarray,
+    width: np.ndarray,
+    factor: int,
+    min_pixels: int | np.ndarray,
+    max_pixels: int | np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Qwen2-VL's ``smart_resize``: sides become multiples of ``factor``, area within bounds.
+
+    Same steps as the reference (round to the factor; if too large scale down by
+    sqrt(area / max) and floor; if too small scale up and ceil), on arrays.
+    """
+    h = np.asarray(height, dtype=np.float64)
+    w = np.asarray(width, dtype=np.float64)
+    hb = np.maximum(factor, np.round(h / factor) * factor)
+    wb = np.maximum(factor, np.round(w / factor) * factor)
+    area = hb * wb
+    big = area > max_pixels
+    small = area < min_pixels
+    with np.errstate(divide="ignore", invalid="ignore"):
+        beta_big = np.sqrt(h * w / max_pixels)
+        beta_small = np.sqrt(min_pixels / (h * w))
+    hb = np.where(big, np.maximum(factor, np.floor(h / beta_big / factor) * factor), hb)
+    wb = np.where(big, np.maximum(factor, np.floor(w / beta_big / factor) * factor), wb)
+    hb = np.where(small, np.ceil(h * beta_small / factor) * factor, hb)
+    wb = np.where(small, np.ceil(w * beta_small / factor) * factor, wb)
+    return hb.astype(np.int64), wb.astype(np.int64)
+
+
+def internvl_tiles(
+    height: np.ndarray, width: np.ndarray, image_size: int, max_tiles: int
+) -> np.ndarray:
+    """Tile count of InternVL's ``dynamic_preprocess`` (closest aspect ratio, 1..max_tiles tiles).
+
+    Candidates (i, j) with i * j <= max_tiles are visited in the reference's
+    order (by tile count); a later candidate with the same ratio error wins when
+    the image area exceeds half of its tiles' area, as in the reference.
+    """
+    h = np.asarray(height, dtype=np.float64)
+    w = np.asarray(width, dtype=np.float64)
+    ratio = w / h
+    area = w * h
+    cands = sorted(
+        {
+            (i, j)
+            for n in range(1, max_tiles + 1)
+            for i in range(1, n + 1)
+            for j in range(1, n + 1)
+            if i * j <= max_tiles
+        },
+        key=lambda x: x[0] * x[1],
+    )
+    best_diff = np.full(h.shape, np.inf)
+    best_n = np.ones(h.shape, dtype=np.int64)
+    for i, j in cands:
+        diff = np.abs(ratio - i / j)
+        take = (diff < best_diff) | (
+            (diff == best_diff) & (area > 0.5 * image_size * image_size * i * j)
+        )
+        best_diff = np.where(diff < best_diff, diff, best_diff)
+        best_n = np.where(take, i * j, best_n)
+    return best_n
+
+
+def _window_sumsq(grid_h: np.ndarray, grid_w: np.ndarray, window: int) -> np.ndarray:
+    """Sum over square windows of (tokens in window)^2 for a grid tiled by ``window``-sided windows.
+
+    Windows tile rows and columns independently (the last ones partial), so the
+    sum factorises: (sum of row-chunk sizes^2) * (sum of col-chunk sizes^2).
+    """
+
+    def chunks_sq(n: np.ndarray) -> np.ndarray:
+        q, r = np.divmod(n, window)
+        return q.astype(np.float64) * window * window + r.astype(np.float64) ** 2
+
+    return chunks_sq(grid_h) * chunks_sq(grid_w)
+
+
+def vision_tokens(
+    cfg: ModuleConfig, frames: np.ndarray, height: np.ndarray, width: np.ndarray
+) -> ItemTokens:
+    """Tokens of every vision item (image: frames == 1; video clip: its sampled frames)."""
+    frames = np.asarray(frames, dtype=np.int64)
+    p, m = cfg.patch_size, cfg.merge
+    cls = 1 if cfg.cls_token else 0
+    is_video = frames > 1
+    if cfg.resize == "fixed":
+        g = cfg.image_size // p
+        groups = -(-frames // cfg.temporal_patch)
+        n_seq = groups
+        gh = np.full(frames.shape, g, dtype=np.int64)
+        gw = gh
+    elif cfg.resize == "tiles":
+        g = cfg.image_size // p
+        tiles = internvl_tiles(height, width, cfg.image_size, cfg.max_tiles)
+        if cfg.thumbnail:
+            tiles = np.where(tiles > 1, tiles + 1, tiles)
+        tiles = np.where(is_video, frames, tiles)  # InternVL: one tile per video frame
+        n_seq = tiles.astype(np.int64)
+        gh = np.full(frames.shape, g, dtype=np.int64)
+        gw = gh
+    else:  # dynamic
+        factor = p * m
+        vmax = cfg.video_max_pixels or cfg.max_pixels
+        max_px = np.where(is_video, max(min(vmax, cfg.max_pixels), cfg.min_pixels), cfg.max_pixels)
+        hb, wb = smart_resize(height, width, factor, cfg.min_pixels, max_px)
+        gh, gw = hb // p, wb // p
+        n_seq = -(-frames // cfg.temporal_patch)
+    seq_len = gh * gw + cls
+    if cfg.window_patches > 0:
+        k = max(cfg.window_patches // m, 1)
+        wsq = n_seq * _window_sumsq(gh // m, gw // m, k) * float(m**4)
+    else:
+        wsq = n_seq.astype(np.float64) * seq_len.astype(np.float64) ** 2
+    llm = n_seq * (gh // m) * (gw // m)
+    embed_units = (n_seq * gh * gw).astype(np.float64)
+    return ItemTokens(
+        n_seq=n_seq.astype(np.int64),
+        seq_len=seq_len.astype(np.int64),
+        window_sumsq=wsq,
+        llm_tokens=llm.astype(np.int64),
+        embed_units=embed_units,
+    )
+
+
+def audio_tokens(cfg: ModuleConfig, seconds: np.ndarray) -> ItemTokens:
+    """Tokens of every audio clip: padded fixed windows through the encoder, real length into the LLM."""
+    sec = np.asarray(seconds, dtype=np.float64)
+    win = cfg.audio_window_seconds
+    n_win = np.maximum(1, np.ceil(sec / win - 1e-9)).astype(np.int64)
+    seq = int(round(win * cfg.audio_frame_rate / cfg.audio_conv_stride))
+    seq_len = np.full(sec.shape, seq, dtype=np.int64)
+    per_sec = cfg.audio_frame_rate / cfg.audio_conv_stride / cfg.audio_pool
+    llm = np.maximum(1, np.ceil(sec * per_sec - 1e-9)).astype(np.int64)
+    return ItemTokens(
+        n_seq=n_win,
+        seq_len=seq_len,
+        window_sumsq=n_win * float(seq) ** 2,
+        llm_tokens=llm,
+        embed_units=n_win.astype(np.float64),
+    )
