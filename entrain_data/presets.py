@@ -62,6 +62,9 @@ class ModuleConfig:
     min_pixels: int = 0
     max_pixels: int = 0
     video_max_pixels: int = 0  # per frame; 0: same as max_pixels
+    video_total_pixels: int = (
+        0  # pixel budget of a whole clip (per-frame cap shrinks with frames); 0: none
+    )
     max_tiles: int = 1
     thumbnail: bool = False
     cls_token: bool = False

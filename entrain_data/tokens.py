@@ -148,7 +148,13 @@ def vision_tokens(
     else:  # dynamic
         factor = p * m
         vmax = cfg.video_max_pixels or cfg.max_pixels
-        max_px = np.where(is_video, max(min(vmax, cfg.max_pixels), cfg.min_pixels), cfg.max_pixels)
+        vcap = np.full(frames.shape, float(min(vmax, cfg.max_pixels)))
+        if (
+            cfg.video_total_pixels
+        ):  # qwen-vl-utils: total budget / frames * temporal patch, >= min_pixels
+            vcap = np.minimum(vcap, cfg.video_total_pixels / frames * cfg.temporal_patch)
+        vcap = np.maximum(vcap, cfg.min_pixels)
+        max_px = np.where(is_video, vcap, cfg.max_pixels)
         hb, wb = smart_resize(height, width, factor, cfg.min_pixels, max_px)
         gh, gw = hb // p, wb // p
         n_seq = -(-frames // cfg.temporal_patch)
