@@ -1,0 +1,176 @@
+"""``entrain-data models | synth | profile``: presets, synthetic indexes and macro profiles.
+
+Handlers raise :class:`~entrain_data.errors.InvalidInput` on bad input; ``cli.main``
+turns that into a one-line error and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .calibration import Calibration
+from .cost_model import ModelSpec, list_presets, load_module
+from .errors import InvalidInput
+from .metadata import read_index, write_index
+from .profiler import macro_profile
+from .workloads import describe_workload, list_workloads, synthesize
+
+__all__ = [
+    "register",
+    "cmd_models",
+    "cmd_synth",
+    "cmd_profile",
+    "model_spec_from_args",
+    "add_model_arguments",
+]
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """``--encoder`` (repeatable), ``--llm``, ``--frozen-encoder``, ``--calibration``: shared with ``plan``."""
+    p.add_argument(
+        "--encoder",
+        action="append",
+        default=[],
+        metavar="E",
+        help="encoder preset name or JSON config path (repeat for vision + audio)",
+    )
+    p.add_argument("--llm", required=True, metavar="L", help="LLM preset name or JSON config path")
+    p.add_argument(
+        "--frozen-encoder", action="store_true", help="encoders are frozen (forward only)"
+    )
+    p.add_argument(
+        "--calibration", metavar="JSON", help="calibration file (Calibration.to_dict) to apply"
+    )
+
+
+def model_spec_from_args(args: argparse.Namespace) -> ModelSpec:
+    """The :class:`ModelSpec` named by ``--encoder``/``--llm``/``--frozen-encoder``."""
+    return ModelSpec.from_names(
+        list(args.encoder), args.llm, frozen_encoders=bool(args.frozen_encoder)
+    )
+
+
+def calibration_from_args(args: argparse.Namespace) -> Calibration | None:
+    path = getattr(args, "calibration", None)
+    if not path:
+        return None
+    p = Path(path)
+    if not p.is_file():
+        raise InvalidInput(f"calibration file not found: {p}")
+    try:
+        d = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise InvalidInput(f"{p}: not valid JSON ({exc.msg} at line {exc.lineno})") from exc
+    return Calibration.from_dict(d.get("calibration", d) if isinstance(d, dict) else d)
+
+
+def _vision_summary(m) -> str:
+    if m.kind == "vision":
+        if m.resize == "dynamic":
+            res = f"dynamic {m.min_pixels}-{m.max_pixels} px"
+        elif m.resize == "tiles":
+            res = f"{m.image_size}px tiles <= {m.max_tiles}" + ("+thumb" if m.thumbnail else "")
+        else:
+            res = f"fixed {m.image_size}px"
+        extra = (
+            f", window {m.window_patches}p ({len(m.full_attention_layers)} full)"
+            if m.window_patches
+            else ""
+        )
+        return f"patch {m.patch_size}, merge {m.merge}x{m.merge}, {res}{extra}"
+    if m.kind == "audio":
+        return f"{m.n_mels} mel, {m.audio_window_seconds:g}s windows, pool {m.audio_pool}"
+    return f"vocab {m.vocab}"
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    """List the presets with their key config numbers."""
+    mods = [load_module(n) for n in list_presets()]
+    if args.json:
+        print(json.dumps({m.name: m.to_dict() for m in mods}, indent=2))
+        return 0
+    print(
+        f"{'preset':<26} {'kind':<6} {'layers':>6} {'hidden':>6} {'ffn':>6} {'heads':>5} {'kv':>3} {'params':>8}  tokens"
+    )
+    for m in mods:
+        params = m.parameters(4096 if m.is_encoder else 0) / 1e9
+        print(
+            f"{m.name:<26} {m.kind:<6} {m.layers:>6} {m.hidden:>6} {m.ffn:>6} {m.heads:>5} {m.kv_heads:>3} "
+            f"{params:>7.2f}B  {_vision_summary(m)}"
+        )
+    return 0
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    """Write the index of a named synthetic workload."""
+    if args.list:
+        for name in list_workloads():
+            print(f"{name:<20} {describe_workload(name)}")
+        return 0
+    if not args.name:
+        raise InvalidInput("synth: give a workload NAME (see --list)")
+    if args.output is None:
+        raise InvalidInput("synth: give the output index path with -o")
+    if args.samples < 0:
+        raise InvalidInput(f"synth: --samples must be >= 0, got {args.samples}")
+    table = synthesize(args.name, args.samples, args.seed)
+    path = write_index(table, args.output)
+    print(f"wrote {len(table)} samples of {args.name!r} (seed {args.seed}) to {path}")
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    """Macro-profile an index under a model and print the table."""
+    table = read_index(args.index)
+    spec = model_spec_from_args(args)
+    prof = macro_profile(
+        table,
+        spec,
+        args.global_batch,
+        batches=args.batches,
+        seed=args.seed,
+        calibration=calibration_from_args(args),
+    )
+    print(prof.format_table())
+    if args.png:
+        print(f"plot: {prof.plot(args.png)}")
+    if args.json:
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(prof.to_json(include_batches=not args.no_batches))
+        print(f"profile: {out}")
+    sys.stdout.flush()
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``models``, ``synth`` and ``profile`` to the ``entrain-data`` parser."""
+    p = subparsers.add_parser("models", help="list the model presets")
+    p.add_argument("--json", action="store_true", help="print the full configs as JSON")
+    p.set_defaults(handler=cmd_models)
+
+    p = subparsers.add_parser("synth", help="write the index of a named synthetic workload")
+    p.add_argument("name", nargs="?", metavar="NAME", help="workload name (see --list)")
+    p.add_argument("--samples", type=int, default=65536, help="number of samples (default 65536)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-o", "--output", metavar="INDEX", help="output Parquet index")
+    p.add_argument("--list", action="store_true", help="list the workloads and exit")
+    p.set_defaults(handler=cmd_synth)
+
+    p = subparsers.add_parser("profile", help="macro-profile an index: per-module batch-sum spread")
+    p.add_argument("index", metavar="INDEX", help="Parquet index")
+    add_model_arguments(p)
+    p.add_argument(
+        "--global-batch", type=int, default=512, metavar="B", help="samples per global batch"
+    )
+    p.add_argument("--batches", type=int, default=32, metavar="K", help="global batches to draw")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--png", metavar="PATH", help="plot CV vs B to this PNG")
+    p.add_argument("--json", metavar="PATH", help="write the profile as JSON")
+    p.add_argument(
+        "--no-batches", action="store_true", help="leave the batch indices out of --json"
+    )
+    p.set_defaults(handler=cmd_profile)
