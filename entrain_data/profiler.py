@@ -279,9 +279,9 @@ def macro_profile(
         raise InvalidInput(f"global_batch must be a positive integer, got {global_batch!r}")
     if not isinstance(batches, (int, np.integer)) or batches < 1:
         raise InvalidInput(f"batches must be a positive integer, got {batches!r}")
+    c = costs if costs is not None else per_sample_costs(table, model, hardware, calibration)
     if global_batch > n:
         raise InvalidInput(f"global_batch {global_batch} exceeds the {n} samples of {table.origin}")
-    c = costs if costs is not None else per_sample_costs(table, model, hardware, calibration)
     if len(c) != n:
         raise InvalidInput(f"costs cover {len(c)} samples but the table has {n}")
     work = module_costs(c)  # [N, M]
