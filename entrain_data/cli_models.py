@@ -11,12 +11,20 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from .calibration import Calibration
 from .cost_model import ModelSpec, list_presets, load_module
 from .errors import InvalidInput
 from .metadata import read_index, write_index
 from .profiler import macro_profile
-from .workloads import describe_workload, list_workloads, synthesize
+from .workloads import (
+    describe_workload,
+    list_real_workloads,
+    list_workloads,
+    real_workload,
+    synthesize,
+)
 
 __all__ = [
     "register",
@@ -105,18 +113,28 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
-    """Write the index of a named synthetic workload."""
+    """Write the index of a named synthetic workload (or of a real metadata table with --data-dir)."""
     if args.list:
         for name in list_workloads():
             print(f"{name:<20} {describe_workload(name)}")
+        for name in list_real_workloads():
+            print(f"{name:<20} real metadata table (needs --data-dir, e.g. ../shared/data)")
         return 0
     if not args.name:
         raise InvalidInput("synth: give a workload NAME (see --list)")
     if args.output is None:
         raise InvalidInput("synth: give the output index path with -o")
-    if args.samples < 0:
+    if args.samples is not None and args.samples < 0:
         raise InvalidInput(f"synth: --samples must be >= 0, got {args.samples}")
-    table = synthesize(args.name, args.samples, args.seed)
+    if args.name in list_real_workloads():
+        if not args.data_dir:
+            raise InvalidInput(f"synth: {args.name!r} is built from real metadata: give --data-dir")
+        table = real_workload(args.name, args.data_dir)
+        if args.samples is not None and args.samples < len(table):
+            rng = np.random.default_rng(args.seed)
+            table = table.take(np.sort(rng.choice(len(table), size=args.samples, replace=False)))
+    else:
+        table = synthesize(args.name, 65536 if args.samples is None else args.samples, args.seed)
     path = write_index(table, args.output)
     print(f"wrote {len(table)} samples of {args.name!r} (seed {args.seed}) to {path}")
     return 0
@@ -154,7 +172,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     p = subparsers.add_parser("synth", help="write the index of a named synthetic workload")
     p.add_argument("name", nargs="?", metavar="NAME", help="workload name (see --list)")
-    p.add_argument("--samples", type=int, default=65536, help="number of samples (default 65536)")
+    p.add_argument(
+        "--samples",
+        type=int,
+        default=None,
+        help="number of samples (default 65536; real tables: all rows)",
+    )
+    p.add_argument(
+        "--data-dir", metavar="DIR", help="shared data folder for the real metadata tables"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-o", "--output", metavar="INDEX", help="output Parquet index")
     p.add_argument("--list", action="store_true", help="list the workloads and exit")

@@ -204,3 +204,27 @@ def test_console_script_runs(tmp_path):
         timeout=120,
     )
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "missing.parquet" in r.stderr
+
+
+@pytest.mark.shared_data
+def test_synth_real_table_subsampled(shared_data, tmp_path, capsys):
+    out = tmp_path / "ls.parquet"
+    assert (
+        _main(
+            [
+                "synth",
+                "librispeech",
+                "--data-dir",
+                str(shared_data),
+                "--samples",
+                "500",
+                "-o",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    t = read_index(out)
+    assert len(t) == 500 and len(t.audio_seconds) == 500
+    capsys.readouterr()
+    _expect_error(["synth", "librispeech", "-o", str(out)], capsys, "--data-dir")

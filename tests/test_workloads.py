@@ -98,3 +98,42 @@ def test_bad_arguments():
     with pytest.raises(InvalidInput, match="samples"):
         synthesize("llava-fixed", -1)
     assert len(synthesize("llava-fixed", 0)) == 0
+
+
+@pytest.mark.shared_data
+def test_real_workloads_build_from_shared_metadata(shared_data):
+    from entrain_data.workloads import list_real_workloads, real_workload
+
+    names = list_real_workloads()
+    assert {
+        "coco-captions",
+        "llava-instruct",
+        "sroie-docs",
+        "librispeech",
+        "video-activitynet",
+    } <= set(names)
+    sizes = {}
+    for name in names:
+        t = real_workload(name, shared_data)
+        t.validate()
+        assert len(t) > 0 and np.all(t.text_tokens > 0)
+        sizes[name] = len(t)
+    assert (
+        sizes["coco-captions"] == 5000
+        and sizes["sroie-docs"] == 626
+        and sizes["librispeech"] == 2703
+    )
+    assert sizes["llava-instruct"] == 157500
+    docs = real_workload("sroie-docs", shared_data / "metadata")
+    assert int(docs.image_width.max()) == 4961 and int(docs.image_height.max()) == 7016
+    ls = real_workload("librispeech", shared_data)
+    assert float(ls.audio_seconds.max()) == pytest.approx(32.645, abs=1e-3)
+    with pytest.raises(InvalidInput, match="unknown real workload"):
+        real_workload("imagenet", shared_data)
+
+
+def test_real_workload_missing_dir(tmp_path):
+    from entrain_data.workloads import real_workload
+
+    with pytest.raises(InvalidInput, match="not found"):
+        real_workload("librispeech", tmp_path / "nowhere")
