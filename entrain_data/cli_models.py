@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from .calibration import Calibration
-from .cost_model import ModelSpec, list_presets, load_module
+from .cost_model import ModelSpec, calibrate, list_presets, load_module
 from .errors import InvalidInput
 from .metadata import read_index, write_index
 from .profiler import macro_profile
@@ -27,6 +27,7 @@ from .workloads import (
 )
 
 __all__ = [
+    "cmd_calibrate",
     "register",
     "cmd_models",
     "cmd_synth",
@@ -164,6 +165,61 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_measurements(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise InvalidInput(f"measurements file not found: {path}")
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InvalidInput(f"{path}:{i}: not valid JSON ({exc.msg})") from exc
+        if not isinstance(d, dict) or not {"module", "seconds", "keys"} <= set(d):
+            raise InvalidInput(
+                f"{path}:{i}: expected an object with 'module', 'seconds' and 'keys'"
+            )
+        rows.append(d)
+    if not rows:
+        raise InvalidInput(f"{path}: no measurements")
+    return rows
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Fit the cost model to measured times (JSON lines: module, seconds, keys[, phase]) and save it."""
+    table = read_index(args.index)
+    spec = model_spec_from_args(args)
+    rows = _read_measurements(Path(args.measurements))
+    row_of = {str(k): i for i, k in enumerate(table.keys)}
+    cal = calibration_from_args(args)
+    by_module: dict[tuple[str, str], tuple[list, list]] = {}
+    for i, d in enumerate(rows, 1):
+        missing = [k for k in d["keys"] if str(k) not in row_of]
+        if missing:
+            raise InvalidInput(
+                f"{args.measurements}:{i}: key {missing[0]!r} is not in {args.index}"
+            )
+        g, s = by_module.setdefault((str(d["module"]), str(d.get("phase", "forward"))), ([], []))
+        g.append([row_of[str(k)] for k in d["keys"]])
+        s.append(float(d["seconds"]))
+    for (module, phase), (groups, secs) in by_module.items():
+        cal = calibrate(table, spec, module, groups, secs, phase=phase, previous=cal)
+    print(
+        f"{'module':<26} {'phase':<8} {'linear':>8} {'quadratic':>9} {'constant s':>10} {'rel RMS':>8} {'R^2':>7} {'n':>5}"
+    )
+    for name, f in cal.modules.items():
+        print(
+            f"{name:<26} {f.phase:<8} {f.linear:8.4f} {f.quadratic:9.4f} {f.constant:10.5f} "
+            f"{f.rel_rms:8.2%} {f.r2:7.4f} {f.n:>5}"
+        )
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(cal.to_dict(), indent=2))
+    print(f"calibration: {out}")
+    return 0
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``models``, ``synth`` and ``profile`` to the ``entrain-data`` parser."""
     p = subparsers.add_parser("models", help="list the model presets")
@@ -200,3 +256,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--no-batches", action="store_true", help="leave the batch indices out of --json"
     )
     p.set_defaults(handler=cmd_profile)
+
+    p = subparsers.add_parser("calibrate", help="fit the cost model to measured step times")
+    p.add_argument("index", metavar="INDEX", help="Parquet index holding the measured samples")
+    p.add_argument(
+        "measurements",
+        metavar="MEASUREMENTS",
+        help="JSON lines: {module, seconds, keys: [sample keys run together], phase: forward|step}",
+    )
+    add_model_arguments(p)
+    p.add_argument(
+        "-o", "--output", required=True, metavar="JSON", help="calibration file to write"
+    )
+    p.set_defaults(handler=cmd_calibrate)

@@ -228,3 +228,61 @@ def test_synth_real_table_subsampled(shared_data, tmp_path, capsys):
     assert len(t) == 500 and len(t.audio_seconds) == 500
     capsys.readouterr()
     _expect_error(["synth", "librispeech", "-o", str(out)], capsys, "--data-dir")
+
+
+def test_calibrate_fits_measurements_and_profile_applies_them(tmp_path, capsys):
+    import numpy as np
+
+    from entrain_data.cost_model import ModelSpec, module_features
+
+    idx = tmp_path / "t.parquet"
+    assert (
+        _main(["synth", "qwen2vl-dynamic", "--samples", "400", "--seed", "2", "-o", str(idx)]) == 0
+    )
+    t = read_index(idx)
+    spec = ModelSpec.from_names(["qwen2.5-vl-vision"], "llama-3.2-1b")
+    rng = np.random.default_rng(0)
+    lines = []
+    for module, (a, b, c) in {
+        "llm": (0.8, 1.5, 0.01),
+        "qwen2.5-vl-vision": (1.2, 0.9, 0.005),
+    }.items():
+        lin, att = module_features(t, spec, module)
+        for _ in range(60):
+            g = rng.choice(len(t), size=6, replace=False)
+            secs = a * lin[g].sum() + b * att[g].sum() + c
+            lines.append(
+                json.dumps({"module": module, "seconds": secs, "keys": [str(k) for k in t.keys[g]]})
+            )
+    meas = tmp_path / "m.jsonl"
+    meas.write_text("\n".join(lines) + "\n")
+    cal = tmp_path / "cal.json"
+    argv = [
+        "calibrate",
+        str(idx),
+        str(meas),
+        "--encoder",
+        "qwen2.5-vl-vision",
+        "--llm",
+        "llama-3.2-1b",
+    ]
+    assert _main(argv + ["-o", str(cal)]) == 0
+    out = capsys.readouterr().out
+    assert "rel RMS" in out and "qwen2.5-vl-vision" in out
+    d = json.loads(cal.read_text())
+    assert d["modules"]["llm"]["linear"] == pytest.approx(0.8, rel=1e-3)
+    assert d["modules"]["qwen2.5-vl-vision"]["constant"] == pytest.approx(0.005, rel=1e-2)
+    prof = [
+        "profile",
+        str(idx),
+        "--encoder",
+        "qwen2.5-vl-vision",
+        "--llm",
+        "llama-3.2-1b",
+        "--global-batch",
+        "64",
+    ]
+    assert _main(prof + ["--calibration", str(cal)]) == 0
+    meas.write_text(json.dumps({"module": "llm", "seconds": 1.0, "keys": ["no-such-key"]}) + "\n")
+    capsys.readouterr()
+    _expect_error(argv + ["-o", str(cal)], capsys, "no-such-key")
