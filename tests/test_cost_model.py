@@ -7,6 +7,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from entrain_data.calibration import Calibration, fit_coefficients
 from entrain_data.cost_model import (
@@ -328,3 +330,48 @@ def test_model_spec_round_trip():
     again = ModelSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
     assert again == spec and all(e.frozen for e in again.encoders)
     assert again.module_names == ("qwen2.5-vl-vision", "whisper-large-v3-encoder", "llm")
+
+
+def test_llm_training_flops_follow_the_6nd_rule():
+    cfg = load_module("llama-3.1-8b")
+    assert layer_linear_flops(cfg) == 2 * cfg.layer_parameters()
+    n = 2048
+    t = table([SampleMeta("a", "s", n)])
+    c = per_sample_costs(t, ModelSpec((), cfg), hardware=UNIT)
+    non_embedding = cfg.layers * cfg.layer_parameters() + cfg.head_parameters()
+    attention = 3 * cfg.layers * attention_flops_coeff(cfg) * n * n
+    assert c.llm_cost()[0] == pytest.approx(6 * non_embedding * n + attention, rel=1e-9)
+    # attention is a modest share at 2k tokens for an 8B model (~6%), growing with length
+    assert 0.03 < attention / c.llm_cost()[0] < 0.12
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    cuts=st.lists(st.integers(1, 31), max_size=6, unique=True),
+    e=st.integers(0, 1),
+    frozen=st.booleans(),
+)
+def test_any_stage_split_sums_to_the_module(cuts, e, frozen):
+    spec = ModelSpec.from_names(
+        ["qwen2.5-vl-vision", "whisper-large-v3-encoder"], "qwen2.5-7b", frozen_encoders=frozen
+    )
+    c = per_sample_costs(_MIXED, spec)
+    layers = c.encoder_layers[e]
+    bounds = [0] + sorted(x for x in cuts if x < layers) + [layers]
+    fwd = sum(
+        c.stage_cost(e, a, b, a == 0, b == layers)[0] for a, b in zip(bounds[:-1], bounds[1:])
+    )
+    bwd = sum(
+        c.stage_cost(e, a, b, a == 0, b == layers)[1] for a, b in zip(bounds[:-1], bounds[1:])
+    )
+    assert np.allclose(fwd + bwd, c.encoder_cost()[:, e])
+    assert np.allclose(bwd, 0.0) == frozen
+
+
+_MIXED = SampleTable.from_records(
+    [
+        SampleMeta("a", "s", 40, images=(VisionItem(1, 2000, 3000), VisionItem(12, 360, 640))),
+        SampleMeta("b", "s", 900, audio_seconds=(75.0,)),
+        SampleMeta("c", "s", 7, images=(VisionItem(1, 28, 28),), audio_seconds=(0.5,)),
+    ]
+)
