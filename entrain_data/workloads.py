@@ -80,14 +80,15 @@ def _q(rng: np.random.Generator, table: tuple, n: int) -> np.ndarray:
 
 
 def _cat(rng: np.random.Generator, counts: dict, n: int) -> np.ndarray:
+    """``n`` draws of the keys of ``counts`` with probability proportional to the counts.
+
+    Returns an array of keys; tuple keys (e.g. (width, height)) give an [n, 2] array.
+    """
     keys = list(counts)
     p = np.array([counts[k] for k in keys], dtype=np.float64)
     idx = rng.choice(len(keys), size=n, p=p / p.sum())
-    return (
-        np.array(keys, dtype=object)[idx]
-        if not isinstance(keys[0], (int, np.integer))
-        else np.array(keys)[idx]
-    )
+    table = np.array(keys) if not isinstance(keys[0], str) else np.array(keys, dtype=object)
+    return table[idx]
 
 
 def _tokens(chars: np.ndarray, turns: np.ndarray | int = 1) -> np.ndarray:
@@ -167,8 +168,8 @@ def _frames_for(seconds: np.ndarray) -> np.ndarray:
 
 
 def _nextqa_sizes(rng, n):
-    wh = _cat(rng, T.NEXTQA_FRAME_SIZES, n)
-    return np.array([x[1] for x in wh]), np.array([x[0] for x in wh])
+    wh = _cat(rng, T.NEXTQA_FRAME_SIZES, n).reshape(n, 2)  # (width, height) keys
+    return wh[:, 1], wh[:, 0]
 
 
 def _c_video(rng, n, seconds_table, text_table):

@@ -77,6 +77,10 @@ def test_video_and_audio_durations_follow_sources():
     v = synthesize("multi-image-video", 20000, seed=0)
     clips = v.image_frames[v.image_frames > 1]
     assert len(clips) > 0 and clips.max() <= 64 and np.all(clips % 2 == 0)
+    # clips take NExT-QA's frame sizes: 640x480 is the most common (41% of its videos)
+    is_clip = v.image_frames > 1
+    share_480p = np.mean((v.image_width[is_clip] == 640) & (v.image_height[is_clip] == 480))
+    assert share_480p == pytest.approx(641 / 1424, abs=0.05)
     a = synthesize("vision-audio", 20000, seed=0)
     secs = a.audio_seconds
     assert secs.min() >= T.COMMON_VOICE_ID_SECONDS[0] - 1e-3
