@@ -193,6 +193,8 @@ class MacroProfile:
                 f"{'encoder:LLM':<{w}}  {self.ratio_mean:12.4f}  {'':>6}  {self.ratio_cv:9.4f}"
             )
         lines.append(f"mean LLM tokens per batch: {self.batch_llm_tokens.mean():.0f}")
+        if self.batches < 2:
+            lines.append("note: batch CVs need at least 2 batches (--batches); shown as 0")
         lines.append("")
         lines.append("batch-sum CV vs B (measured / 1/sqrt(B) law):")
         head = f"{'B':>7}  " + "  ".join(f"{n[:18]:>18}" for n in self.module_names)
