@@ -141,3 +141,16 @@ def test_real_workload_missing_dir(tmp_path):
 
     with pytest.raises(InvalidInput, match="not found"):
         real_workload("librispeech", tmp_path / "nowhere")
+
+
+@pytest.mark.shared_data
+def test_synthetic_llava_matches_the_real_table(shared_data):
+    """The quantile-table generator reproduces the real LLaVA-Instruct text lengths (mean, spread)."""
+    from entrain_data.workloads import real_workload
+
+    real = real_workload("llava-instruct", shared_data).text_tokens.astype(float)
+    synth = synthesize("llava-fixed", 50000, seed=0).text_tokens.astype(float)
+    assert synth.mean() == pytest.approx(real.mean(), rel=0.03)
+    assert synth.std() == pytest.approx(real.std(), rel=0.08)
+    for q in (0.1, 0.5, 0.9):
+        assert np.quantile(synth, q) == pytest.approx(np.quantile(real, q), rel=0.08)
