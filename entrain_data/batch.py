@@ -85,12 +85,20 @@ class Microbatch:
         """A copy with every tensor on ``device``."""
         moved = {k: v.to(device, non_blocking=non_blocking) for k, v in self.tensors.items()}
         return Microbatch(
-            self.epoch, self.iteration, self.microbatch, self.replica,
-            list(self.encoder_keys), list(self.llm_keys), moved, dict(self.meta),
+            self.epoch,
+            self.iteration,
+            self.microbatch,
+            self.replica,
+            list(self.encoder_keys),
+            list(self.llm_keys),
+            moved,
+            dict(self.meta),
         )
 
     @classmethod
-    def from_tensors(cls, header: Mapping[str, Any], tensors: dict[str, torch.Tensor]) -> Microbatch:
+    def from_tensors(
+        cls, header: Mapping[str, Any], tensors: dict[str, torch.Tensor]
+    ) -> Microbatch:
         """Build from a decoded wire header (see :mod:`entrain_data.protocol`) and its tensors."""
         return cls(
             epoch=int(header["epoch"]),

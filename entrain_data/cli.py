@@ -38,7 +38,9 @@ def _core_registrars() -> list[Callable[[argparse._SubParsersAction], None]]:
 def build_parser() -> argparse.ArgumentParser:
     """The full parser: core commands plus those of installed plugins."""
     parser = _Parser(prog="entrain-data", description=__doc__.splitlines()[0])
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    parser.add_argument(
+        "-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     for register in _core_registrars():

@@ -91,10 +91,14 @@ class SampleMeta:
         if not self.key:
             raise InvalidInput("sample key must be a non-empty string")
         if self.text_tokens < 0:
-            raise InvalidInput(f"sample {self.key!r}: text_tokens must be >= 0, got {self.text_tokens}")
+            raise InvalidInput(
+                f"sample {self.key!r}: text_tokens must be >= 0, got {self.text_tokens}"
+            )
         for s in self.audio_seconds:
             if not (s >= 0.0) or not np.isfinite(s):
-                raise InvalidInput(f"sample {self.key!r}: audio_seconds must be finite and >= 0, got {s}")
+                raise InvalidInput(
+                    f"sample {self.key!r}: audio_seconds must be finite and >= 0, got {s}"
+                )
 
 
 def _offsets(counts: np.ndarray) -> np.ndarray:
@@ -148,13 +152,19 @@ class SampleTable:
         where = self.origin
         for name in ("sources", "members", "rows", "text_tokens"):
             if len(getattr(self, name)) != n:
-                raise InvalidInput(f"{where}: column {name!r} has {len(getattr(self, name))} rows, expected {n}")
+                raise InvalidInput(
+                    f"{where}: column {name!r} has {len(getattr(self, name))} rows, expected {n}"
+                )
         for off_name, cols in (
             ("image_offsets", ("image_frames", "image_height", "image_width")),
             ("audio_offsets", ("audio_seconds",)),
         ):
             off = getattr(self, off_name)
-            if len(off) != n + 1 or (n >= 0 and len(off) and off[0] != 0) or np.any(np.diff(off) < 0):
+            if (
+                len(off) != n + 1
+                or (n >= 0 and len(off) and off[0] != 0)
+                or np.any(np.diff(off) < 0)
+            ):
                 raise InvalidInput(f"{where}: {off_name} is not a valid offsets array for {n} rows")
             for c in cols:
                 if len(getattr(self, c)) != int(off[-1]):
@@ -162,12 +172,18 @@ class SampleTable:
         if n:
             empty = np.flatnonzero(np.array([not isinstance(k, str) or not k for k in self.keys]))
             if len(empty):
-                raise InvalidInput(f"{where}: column 'key' has an empty or non-string key at row {int(empty[0])}")
-            uniq, first, counts = np.unique(self.keys.astype(str), return_index=True, return_counts=True)
+                raise InvalidInput(
+                    f"{where}: column 'key' has an empty or non-string key at row {int(empty[0])}"
+                )
+            uniq, first, counts = np.unique(
+                self.keys.astype(str), return_index=True, return_counts=True
+            )
             if np.any(counts > 1):
                 dup = str(uniq[counts > 1][0])
-                raise InvalidInput(f"{where}: duplicate key {dup!r} in column 'key' ({int(counts[counts > 1][0])} rows)")
-        self._check_nonneg("text_tokens", self.text_tokens, per_sample=True)
+                raise InvalidInput(
+                    f"{where}: duplicate key {dup!r} in column 'key' ({int(counts[counts > 1][0])} rows)"
+                )
+        self._check_nonneg("text_tokens", self.text_tokens)
         for c in ("image_frames", "image_height", "image_width"):
             arr = getattr(self, c)
             bad = np.flatnonzero(arr < 1)
@@ -185,7 +201,7 @@ class SampleTable:
                 f"for key {self.keys[row]!r}"
             )
 
-    def _check_nonneg(self, name: str, arr: np.ndarray, per_sample: bool) -> None:
+    def _check_nonneg(self, name: str, arr: np.ndarray) -> None:
         bad = np.flatnonzero(arr < 0)
         if len(bad):
             raise InvalidInput(
@@ -220,12 +236,16 @@ class SampleTable:
         """Validate an Arrow table against :data:`INDEX_SCHEMA` and convert it."""
         missing = [f.name for f in INDEX_SCHEMA if f.name not in table.column_names]
         if missing:
-            raise InvalidInput(f"{origin}: index is missing column(s) {', '.join(map(repr, missing))}")
+            raise InvalidInput(
+                f"{origin}: index is missing column(s) {', '.join(map(repr, missing))}"
+            )
         cols: dict[str, pa.ChunkedArray] = {}
         for f in INDEX_SCHEMA:
             col = table.column(f.name)
             if col.null_count:
-                raise InvalidInput(f"{origin}: column {f.name!r} has {col.null_count} null value(s)")
+                raise InvalidInput(
+                    f"{origin}: column {f.name!r} has {col.null_count} null value(s)"
+                )
             if not col.type.equals(f.type):
                 try:
                     col = col.cast(f.type, safe=True)
@@ -271,7 +291,9 @@ class SampleTable:
         """The table in :data:`INDEX_SCHEMA`, with the schema version in its metadata."""
 
         def lst(off: np.ndarray, vals: np.ndarray, typ: pa.DataType) -> pa.Array:
-            return pa.ListArray.from_arrays(pa.array(off.astype(np.int32)), pa.array(vals, type=typ))
+            return pa.ListArray.from_arrays(
+                pa.array(off.astype(np.int32)), pa.array(vals, type=typ)
+            )
 
         arrays = [
             pa.array(self.keys.tolist(), type=pa.string()),
@@ -347,7 +369,9 @@ class SampleTable:
             text_tokens=int(self.text_tokens[i]),
             images=tuple(
                 VisionItem(int(f), int(h), int(w))
-                for f, h, w in zip(self.image_frames[a:b], self.image_height[a:b], self.image_width[a:b])
+                for f, h, w in zip(
+                    self.image_frames[a:b], self.image_height[a:b], self.image_width[a:b]
+                )
             ),
             audio_seconds=tuple(float(s) for s in self.audio_seconds[c:d]),
         )
