@@ -175,9 +175,7 @@ class SampleTable:
                 raise InvalidInput(
                     f"{where}: column 'key' has an empty or non-string key at row {int(empty[0])}"
                 )
-            uniq, first, counts = np.unique(
-                self.keys.astype(str), return_index=True, return_counts=True
-            )
+            uniq, counts = np.unique(self.keys.astype(str), return_counts=True)
             if np.any(counts > 1):
                 dup = str(uniq[counts > 1][0])
                 raise InvalidInput(
