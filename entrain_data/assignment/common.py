@@ -1,0 +1,213 @@
+"""The assignment result, input validation and the invariant checker shared by every method."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import InvalidInput
+
+__all__ = ["Assignment", "Inputs", "validate_inputs", "check_assignment", "rng_for"]
+
+
+@dataclass(frozen=True, eq=False)
+class Assignment:
+    """Per replica r and microbatch j: the ordered encoder set and LLM set (sample indices).
+
+    Every sample is in exactly one encoder set and one LLM set of the same
+    replica, with LLM microbatch >= encoder microbatch, unless it is in
+    ``carried`` (methods that delay work to the next iteration).
+    """
+
+    method: str
+    dp: int
+    microbatches: int
+    encoder_sets: list[list[np.ndarray]]
+    llm_sets: list[list[np.ndarray]]
+    carried: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+    def encoder_slots(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(replica [n], microbatch [n]) of every sample's encoder set; -1 when carried."""
+        return _slots(self.encoder_sets, n)
+
+    def llm_slots(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(replica [n], microbatch [n]) of every sample's LLM set; -1 when carried."""
+        return _slots(self.llm_sets, n)
+
+    def to_dict(self) -> dict:
+        """JSON-serialisable form (lists of index lists)."""
+        return {
+            "method": self.method,
+            "dp": self.dp,
+            "microbatches": self.microbatches,
+            "encoder_sets": [[s.tolist() for s in rep] for rep in self.encoder_sets],
+            "llm_sets": [[s.tolist() for s in rep] for rep in self.llm_sets],
+            "carried": self.carried.tolist(),
+        }
+
+
+def _slots(sets: list[list[np.ndarray]], n: int) -> tuple[np.ndarray, np.ndarray]:
+    rep = np.full(n, -1, dtype=np.int64)
+    mb = np.full(n, -1, dtype=np.int64)
+    for r, row in enumerate(sets):
+        for j, s in enumerate(row):
+            rep[s] = r
+            mb[s] = j
+    return rep, mb
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """Validated, normalised inputs of :func:`entrain_data.assignment.assign`."""
+
+    enc: np.ndarray  # [B, E] float64 (E >= 1; zeros when there is no encoder)
+    llm: np.ndarray  # [B] float64
+    tokens: np.ndarray  # [B] int64
+    dp: int
+    microbatches: int
+    max_tokens: int | None
+    defer_budget: int | None
+
+    @property
+    def n(self) -> int:
+        return len(self.llm)
+
+
+def validate_inputs(
+    encoder_cost, llm_cost, tokens, dp, microbatches, max_tokens, defer_budget
+) -> Inputs:
+    """Check shapes, values and feasibility; raise :class:`InvalidInput` naming the problem."""
+    enc = np.asarray(encoder_cost, dtype=np.float64)
+    llm = np.asarray(llm_cost, dtype=np.float64)
+    tok = np.asarray(tokens)
+    if enc.ndim == 1:
+        enc = enc[:, None]
+    if enc.ndim != 2:
+        raise InvalidInput(f"encoder_cost must be [B] or [B, E], got shape {enc.shape}")
+    if llm.ndim != 1 or tok.ndim != 1:
+        raise InvalidInput(
+            f"llm_cost and tokens must be one-dimensional, got {llm.shape} and {tok.shape}"
+        )
+    b = len(llm)
+    if enc.shape[0] != b or len(tok) != b:
+        raise InvalidInput(
+            f"mismatched lengths: encoder_cost has {enc.shape[0]} rows, llm_cost {b}, tokens {len(tok)}"
+        )
+    if enc.shape[1] == 0:
+        enc = np.zeros((b, 1))
+    for name, arr in (("encoder_cost", enc), ("llm_cost", llm)):
+        bad = np.flatnonzero(~np.isfinite(arr).all(axis=-1) if arr.ndim == 2 else ~np.isfinite(arr))
+        if len(bad):
+            raise InvalidInput(f"{name} is NaN or infinite for sample {int(bad[0])}")
+        bad = np.flatnonzero((arr < 0).any(axis=-1) if arr.ndim == 2 else arr < 0)
+        if len(bad):
+            raise InvalidInput(f"{name} is negative for sample {int(bad[0])}")
+    if not np.issubdtype(tok.dtype, np.integer) and (
+        not np.isfinite(tok).all() or np.any(tok != np.round(tok))
+    ):
+        raise InvalidInput("tokens must be whole numbers")
+    tok = tok.astype(np.int64)
+    bad = np.flatnonzero(tok < 0)
+    if len(bad):
+        raise InvalidInput(f"tokens is negative for sample {int(bad[0])}")
+    for name, v in (("dp", dp), ("microbatches", microbatches)):
+        if not isinstance(v, (int, np.integer)) or v < 1:
+            raise InvalidInput(f"{name} must be an integer >= 1, got {v!r}")
+    dp, microbatches = int(dp), int(microbatches)
+    if b < dp * microbatches:
+        raise InvalidInput(
+            f"{b} samples cannot fill dp={dp} x microbatches={microbatches} = {dp * microbatches} "
+            "microbatches (need at least one sample each)"
+        )
+    if max_tokens is not None:
+        if not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
+            raise InvalidInput(f"max_tokens must be a positive integer or None, got {max_tokens!r}")
+        big = np.flatnonzero(tok > max_tokens)
+        if len(big):
+            i = int(big[0])
+            raise InvalidInput(
+                f"sample {i} has {int(tok[i])} tokens, more than the token cap max_tokens={int(max_tokens)}"
+            )
+        max_tokens = int(max_tokens)
+    if defer_budget is not None:
+        if not isinstance(defer_budget, (int, np.integer)) or defer_budget < 0:
+            raise InvalidInput(
+                f"defer_budget must be an integer >= 0 or None, got {defer_budget!r}"
+            )
+        defer_budget = int(defer_budget)
+    return Inputs(enc, llm, tok, dp, microbatches, max_tokens, defer_budget)
+
+
+def rng_for(seed: int, iteration: int, salt: int = 0) -> np.random.Generator:
+    """A generator that depends only on (seed, iteration, salt): assignments are reproducible."""
+    return np.random.default_rng([int(seed) & 0xFFFFFFFF, int(iteration) & 0xFFFFFFFF, salt])
+
+
+def check_assignment(
+    a: Assignment,
+    n: int,
+    tokens: np.ndarray | None = None,
+    max_tokens: int | None = None,
+    defer_budget: int | None = None,
+) -> None:
+    """Raise :class:`InvalidInput` on any broken invariant of ``a`` over ``n`` samples.
+
+    Exactly once in the E sets and in the L sets of one replica (or carried);
+    L index >= E index; every L set within ``max_tokens``; buffered encoder
+    output within ``defer_budget`` at every microbatch boundary.
+    """
+    if len(a.encoder_sets) != a.dp or len(a.llm_sets) != a.dp:
+        raise InvalidInput(f"{a.method}: expected {a.dp} replicas")
+    for r in range(a.dp):
+        if len(a.encoder_sets[r]) != a.microbatches or len(a.llm_sets[r]) != a.microbatches:
+            raise InvalidInput(
+                f"{a.method}: replica {r} does not have {a.microbatches} microbatches"
+            )
+    carried = np.asarray(a.carried, dtype=np.int64)
+    for kind, sets in (("encoder", a.encoder_sets), ("LLM", a.llm_sets)):
+        parts = [np.asarray(s, dtype=np.int64) for row in sets for s in row] + [carried]
+        allidx = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        if len(allidx) and (allidx.min() < 0 or allidx.max() >= n):
+            raise InvalidInput(f"{a.method}: {kind} sets hold an index outside 0..{n - 1}")
+        counts = np.bincount(allidx, minlength=n)
+        if np.any(counts != 1):
+            bad = int(np.flatnonzero(counts != 1)[0])
+            raise InvalidInput(
+                f"{a.method}: sample {bad} appears {int(counts[bad])} times in the {kind} sets"
+            )
+    er, ej = a.encoder_slots(n)
+    lr, lj = a.llm_slots(n)
+    live = er >= 0
+    if np.any(er[live] != lr[live]):
+        bad = int(np.flatnonzero(live & (er != lr))[0])
+        raise InvalidInput(
+            f"{a.method}: sample {bad} is encoded and consumed on different replicas"
+        )
+    if np.any(lj[live] < ej[live]):
+        bad = int(np.flatnonzero(live & (lj < ej))[0])
+        raise InvalidInput(
+            f"{a.method}: sample {bad} is consumed by the LLM (microbatch {int(lj[bad])}) before it "
+            f"is encoded (microbatch {int(ej[bad])})"
+        )
+    if tokens is None:
+        return
+    tokens = np.asarray(tokens, dtype=np.int64)
+    for r in range(a.dp):
+        for j in range(a.microbatches):
+            t = int(tokens[a.llm_sets[r][j]].sum())
+            if max_tokens is not None and t > max_tokens:
+                raise InvalidInput(
+                    f"{a.method}: replica {r} microbatch {j} holds {t} tokens > max_tokens={max_tokens}"
+                )
+        if defer_budget is not None:
+            waiting = 0
+            for j in range(a.microbatches):
+                waiting += int(tokens[a.encoder_sets[r][j]].sum()) - int(
+                    tokens[a.llm_sets[r][j]].sum()
+                )
+                if waiting > defer_budget:
+                    raise InvalidInput(
+                        f"{a.method}: replica {r} buffers {waiting} tokens after microbatch {j} "
+                        f"> defer_budget={defer_budget}"
+                    )

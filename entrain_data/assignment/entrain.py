@@ -1,0 +1,258 @@
+"""Entrain's hierarchical microbatch assignment (arXiv 2605.27918, section 4), vectorised.
+
+Level 1 splits the global batch across DP replicas so that every replica's
+*vector* of per-module sums (each encoder, the LLM) matches: greedy
+largest-first placement in rounds, then pairwise swaps that shrink the worst
+relative deviation on any module.
+
+Level 2 composes, inside every replica, M microbatches in two layers:
+
+- encoder sets E_j: longest-processing-time placement of the encoder work, so
+  every microbatch carries the same encoder work; the sets are then ordered so
+  that early microbatches carry more LLM work than average (their surplus is
+  what deferral moves later);
+- LLM sets L_j: microbatch by microbatch, pick from the samples encoded so far
+  (and the text-only ones) a set whose LLM work meets the running target
+  ``remaining / microbatches left``, largest first, under the token cap; the
+  rest waits in the encoder-output buffer, whose token total may not exceed the
+  deferral budget (the oldest waiting samples are consumed first when it would).
+
+Samples without encoder work are never buffered: their encoder set is their
+LLM set. A replica for which deferral cannot meet the cap or budget falls back
+to joint sets (E_j == L_j) packed first-fit-decreasing under the cap, so the
+invariants hold for every input the validation accepts, or a clear error says
+why the cap cannot be met.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import InvalidInput
+from .common import Assignment, Inputs, rng_for
+
+__all__ = ["assign_entrain", "split_replicas", "lpt_bins"]
+
+_SWAP_CANDIDATES = 256  # members considered per replica in one swap step
+
+
+def _norm_columns(w: np.ndarray) -> np.ndarray:
+    """Scale every column to mean 1 (zero columns stay zero) so modules weigh alike."""
+    mean = w.mean(axis=0)
+    scale = np.where(mean > 0, mean, 1.0)
+    return w / scale
+
+
+def split_replicas(
+    w: np.ndarray, dp: int, rng: np.random.Generator, swap_iters: int | None = None
+) -> np.ndarray:
+    """Level 1: [dp, n] member matrix (-1 pads) with matched per-module sums.
+
+    ``w`` is [B, D] per-sample work per module, already on a common scale.
+    Counts differ by at most one between replicas.
+    """
+    b, d = w.shape
+    if dp == 1:
+        return np.arange(b, dtype=np.int64)[None, :]
+    n = -(-b // dp)
+    perm = rng.permutation(b)  # seeded tie-break
+    key = w.sum(axis=1)
+    order = perm[np.argsort(-key[perm], kind="stable")]
+    order = np.concatenate([order, np.full(n * dp - b, -1, dtype=np.int64)])
+    wp = np.vstack([w, np.zeros((1, d))])  # row -1 -> zeros
+    members = np.empty((dp, n), dtype=np.int64)
+    loads = np.zeros((dp, d))
+    for k in range(n):
+        items = order[k * dp : (k + 1) * dp]
+        lightest = np.argsort(loads.sum(axis=1), kind="stable")
+        members[lightest, k] = items
+        loads[lightest] += wp[items]
+    _refine_replicas(members, loads, wp, swap_iters if swap_iters is not None else min(4 * dp, 256))
+    return members
+
+
+def _refine_replicas(members: np.ndarray, loads: np.ndarray, wp: np.ndarray, iters: int) -> None:
+    """Pairwise swaps between the worst replica and its most complementary one."""
+    dp, n = members.shape
+    mean = loads.mean(axis=0)
+    scale = np.where(mean > 0, mean, 1.0)
+    cols = np.arange(n)
+    if n > _SWAP_CANDIDATES:
+        cols = np.linspace(0, n - 1, _SWAP_CANDIDATES).astype(np.int64)
+    tried: set[tuple[int, int]] = set()
+    for _ in range(iters):
+        rel = (loads - mean) / scale  # [dp, D]
+        obj = np.abs(rel).max(axis=1)
+        a = int(np.argmax(obj))
+        dim = int(np.argmax(np.abs(rel[a])))
+        sign = np.sign(rel[a, dim])
+        cand = np.argsort(sign * rel[:, dim], kind="stable")
+        b = next((int(c) for c in cand if c != a and (a, int(c)) not in tried), None)
+        if b is None:
+            break
+        ia, ib = members[a, cols], members[b, cols]
+        delta = wp[ia][:, None, :] - wp[ib][None, :, :]  # [na, nb, D]
+        new_a = (loads[a] - delta - mean) / scale
+        new_b = (loads[b] + delta - mean) / scale
+        new_obj = np.maximum(np.abs(new_a).max(axis=2), np.abs(new_b).max(axis=2))
+        best = int(np.argmin(new_obj))
+        x, y = divmod(best, len(cols))
+        if new_obj[x, y] >= max(obj[a], obj[b]) - 1e-12:
+            tried.add((a, b))
+            continue
+        tried.clear()
+        ca, cb = cols[x], cols[y]
+        loads[a] -= delta[x, y]
+        loads[b] += delta[x, y]
+        members[a, ca], members[b, cb] = members[b, cb], members[a, ca]
+
+
+def lpt_bins(cost: np.ndarray, valid: np.ndarray, m: int) -> np.ndarray:
+    """Largest-first placement of [R, n] items into m bins per row; returns bin ids (-1 invalid)."""
+    r, n = cost.shape
+    key = np.where(valid, cost, -np.inf)
+    order = np.argsort(-key, axis=1, kind="stable")
+    bins = np.full((r, n), -1, dtype=np.int64)
+    loads = np.zeros((r, m))
+    rows = np.arange(r)
+    counts = np.zeros((r, m))
+    for t in range(n):
+        item = order[:, t]
+        ok = valid[rows, item]
+        if not ok.any():
+            break
+        # least-loaded bin; among equal loads the one with fewer items
+        target = np.argmin(loads + counts * 1e-12, axis=1)
+        bins[rows[ok], item[ok]] = target[ok]
+        loads[rows[ok], target[ok]] += cost[rows[ok], item[ok]]
+        counts[rows[ok], target[ok]] += 1
+    return bins
+
+
+def _ffd_joint(
+    cost: np.ndarray, tok: np.ndarray, m: int, cap: int | None, where: str
+) -> np.ndarray:
+    """Bins for one replica with E == L: least-loaded-that-fits, largest first, under ``cap``."""
+    n = len(cost)
+    order = np.argsort(-cost, kind="stable")
+    loads = np.zeros(m)
+    toks = np.zeros(m, dtype=np.int64)
+    out = np.empty(n, dtype=np.int64)
+    for i in order:
+        fits = np.ones(m, bool) if cap is None else toks + tok[i] <= cap
+        if not fits.any():
+            raise InvalidInput(
+                f"{where}: cannot pack {int(tok.sum())} tokens into {m} microbatches of "
+                f"max_tokens={cap} (sample {int(i)} does not fit); raise max_tokens or microbatches"
+            )
+        j = int(np.argmin(np.where(fits, loads, np.inf)))
+        out[i] = j
+        loads[j] += cost[i]
+        toks[j] += tok[i]
+    return out
+
+
+def assign_entrain(x: Inputs, seed: int, iteration: int, tolerance: float = 0.02) -> Assignment:
+    """Entrain's two-level assignment of ``x`` (see the module docstring)."""
+    rng = rng_for(seed, iteration, 1)
+    r_count, m = x.dp, x.microbatches
+    w = _norm_columns(np.concatenate([x.enc, x.llm[:, None]], axis=1))
+    members = split_replicas(w, r_count, rng)  # [R, n]
+    valid = members >= 0
+    safe = np.where(valid, members, 0)
+    enc_w = np.where(valid, _norm_columns(x.enc)[safe].sum(axis=2), 0.0)  # [R, n]
+    llm = np.where(valid, x.llm[safe], 0.0)
+    tok = np.where(valid, x.tokens[safe], 0)
+    has_enc = valid & (x.enc[safe].sum(axis=2) > 0)
+
+    # encoder sets: LPT over encoder work, then order bins by descending LLM work
+    ebin = lpt_bins(enc_w, has_enc, m)
+    rows = np.arange(r_count)[:, None]
+    bin_llm = np.zeros((r_count, m))
+    np.add.at(bin_llm, (np.broadcast_to(rows, ebin.shape)[has_enc], ebin[has_enc]), llm[has_enc])
+    rank = np.argsort(np.argsort(-bin_llm, axis=1, kind="stable"), axis=1)
+    eidx = np.where(has_enc, np.take_along_axis(rank, np.maximum(ebin, 0), axis=1), -1)
+
+    lidx, failed = _llm_sets(
+        eidx, has_enc, valid, llm, tok, m, x.max_tokens, x.defer_budget, tolerance
+    )
+    # text-only samples are never buffered: encoded where consumed
+    eidx = np.where(has_enc, eidx, lidx)
+    for r in np.flatnonzero(failed):
+        v = valid[r]
+        joint = _ffd_joint(
+            llm[r, v] + enc_w[r, v] * 1e-9, tok[r, v], m, x.max_tokens, f"replica {int(r)}"
+        )
+        eidx[r, v] = joint
+        lidx[r, v] = joint
+    return _to_assignment("entrain", members, valid, eidx, lidx, r_count, m)
+
+
+def _llm_sets(eidx, has_enc, valid, llm, tok, m, cap, budget, tol):
+    """LLM microbatch of every member ([R, n]) and the replicas where deferral failed."""
+    r_count, n = llm.shape
+    rows = np.arange(r_count)
+    lidx = np.full((r_count, n), -1, dtype=np.int64)
+    consumed = ~valid
+    failed = np.zeros(r_count, bool)
+    big = np.iinfo(np.int64).max // 4
+    cap_v = big if cap is None else cap
+    for j in range(m):
+        avail = ~consumed & ((eidx <= j) | ~has_enc)
+        remaining = np.where(consumed, 0.0, llm).sum(axis=1)
+        if j == m - 1:
+            take = avail.copy()
+            ntok = np.where(take, tok, 0).sum(axis=1)
+            failed |= ntok > cap_v
+            failed |= (~consumed & ~take).any(axis=1)
+        else:
+            target = remaining / (m - j)
+            take = np.zeros((r_count, n), bool)
+            load = np.zeros(r_count)
+            ntok = np.zeros(r_count, dtype=np.int64)
+            key = np.where(avail, llm, -np.inf)
+            order = np.argsort(-key, axis=1, kind="stable")
+            width = int(avail.sum(axis=1).max())
+            for t in range(width):
+                item = order[:, t]
+                ok = avail[rows, item]
+                c = llm[rows, item]
+                tk = tok[rows, item]
+                fits = ok & ((load + c <= target * (1 + tol)) | (load == 0)) & (ntok + tk <= cap_v)
+                take[rows[fits], item[fits]] = True
+                load += np.where(fits, c, 0.0)
+                ntok += np.where(fits, tk, 0)
+            if budget is not None:
+                waiting = has_enc & (eidx <= j) & ~consumed & ~take
+                buffered = np.where(waiting, tok, 0).sum(axis=1)
+                if (buffered > budget).any():
+                    # consume the oldest waiting samples first
+                    okey = np.where(waiting, eidx * (n + 1) + np.arange(n)[None, :], big)
+                    order = np.argsort(okey, axis=1, kind="stable")
+                    width = int(waiting.sum(axis=1).max())
+                    for t in range(width):
+                        item = order[:, t]
+                        need = waiting[rows, item] & (buffered > budget)
+                        tk = tok[rows, item]
+                        fits = need & (ntok + tk <= cap_v)
+                        take[rows[fits], item[fits]] = True
+                        ntok += np.where(fits, tk, 0)
+                        buffered -= np.where(fits, tk, 0)
+                    failed |= buffered > budget
+        lidx[take] = j
+        consumed |= take
+    return lidx, failed
+
+
+def _to_assignment(method, members, valid, eidx, lidx, r_count, m) -> Assignment:
+    """Collect per-(replica, microbatch) index arrays (ascending sample order inside a set)."""
+    enc_sets, llm_sets = [], []
+    for r in range(r_count):
+        v = valid[r]
+        mem = members[r, v]
+        e, ell = eidx[r, v], lidx[r, v]
+        so = np.argsort(mem, kind="stable")
+        mem, e, ell = mem[so], e[so], ell[so]
+        enc_sets.append([mem[e == j] for j in range(m)])
+        llm_sets.append([mem[ell == j] for j in range(m)])
+    return Assignment(method, r_count, m, enc_sets, llm_sets)

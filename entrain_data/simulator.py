@@ -1,0 +1,232 @@
+"""Pipeline simulator: iteration time of 1F1B or GPipe over per-microbatch stage times.
+
+The planner scores layouts with it and the benchmarks report it, so it models
+exactly the dependencies that make unbalanced microbatches expensive:
+
+- forward of microbatch j on stage s waits for its forward on stage s - 1;
+- backward of j on stage s waits for its backward on stage s + 1 (the last
+  stage's backward waits for its own forward);
+- each stage runs its operations in the schedule's fixed order (1F1B: S-1-s
+  warm-up forwards, then one forward / one backward, then the cool-down).
+
+Replicas share the op order, so the recurrence is evaluated once with arrays
+over replicas. The iteration time is the slowest replica's (DP gradient sync).
+
+Encoder stages take their forward load from the encoder sets E_j and their
+backward load from the samples whose gradient arrives with the LLM set L_j: a
+deferred sample's encoder backward runs with the microbatch that consumed it
+(split backward), which is where its gradient becomes available.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .errors import InvalidInput
+
+if TYPE_CHECKING:  # imported for type hints only: no cycle at run time
+    from .assignment import Assignment
+    from .cost_model import SampleCosts
+    from .planner import StagePlan
+
+__all__ = [
+    "SCHEDULES",
+    "PipelineResult",
+    "simulate_pipeline",
+    "schedule_order",
+    "set_loads",
+    "stage_times",
+    "simulate_assignment",
+    "ideal_times",
+]
+
+SCHEDULES = ("1f1b", "gpipe")
+
+
+@dataclass(frozen=True)
+class PipelineResult:
+    """Outcome of one simulated iteration."""
+
+    iteration_time: float  # slowest replica
+    replica_times: np.ndarray  # [R]
+    stage_busy: np.ndarray  # [R, S] seconds of work per stage
+    bubble_fraction: float  # idle share of the slowest replica's stages
+
+    def to_dict(self) -> dict:
+        return {
+            "iteration_time": self.iteration_time,
+            "replica_times": self.replica_times.tolist(),
+            "bubble_fraction": self.bubble_fraction,
+        }
+
+
+@lru_cache(maxsize=256)
+def schedule_order(
+    schedule: str, microbatches: int, stages: int
+) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per stage, the ordered ops ``(kind, microbatch)`` with kind 0 = forward, 1 = backward."""
+    if schedule not in SCHEDULES:
+        raise InvalidInput(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    m, s_count = microbatches, stages
+    out = []
+    for s in range(s_count):
+        if schedule == "gpipe":
+            ops = [(0, j) for j in range(m)] + [(1, j) for j in range(m)]
+        else:
+            warm = min(s_count - 1 - s, m)
+            ops = [(0, j) for j in range(warm)]
+            f, b = warm, 0
+            while f < m:
+                ops.append((0, f))
+                f += 1
+                ops.append((1, b))
+                b += 1
+            ops.extend((1, j) for j in range(b, m))
+        out.append(tuple(ops))
+    return tuple(out)
+
+
+def _check(fwd: np.ndarray, bwd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    fwd = np.asarray(fwd, dtype=np.float64)
+    bwd = np.asarray(bwd, dtype=np.float64)
+    if fwd.ndim != 3 or fwd.shape != bwd.shape:
+        raise InvalidInput(f"fwd and bwd must both be [R, M, S]; got {fwd.shape} and {bwd.shape}")
+    if min(fwd.shape) < 1:
+        raise InvalidInput(
+            f"fwd/bwd need at least one replica, microbatch and stage; got {fwd.shape}"
+        )
+    if (
+        not (np.isfinite(fwd).all() and np.isfinite(bwd).all())
+        or (fwd < 0).any()
+        or (bwd < 0).any()
+    ):
+        raise InvalidInput("fwd/bwd times must be finite and >= 0")
+    return fwd, bwd
+
+
+def simulate_pipeline(fwd: np.ndarray, bwd: np.ndarray, schedule: str = "1f1b") -> PipelineResult:
+    """Simulate one iteration; ``fwd``/``bwd`` are [R, M, S] seconds."""
+    fwd, bwd = _check(fwd, bwd)
+    r_count, m, s_count = fwd.shape
+    order = schedule_order(schedule, m, s_count)
+    f_end = np.full((s_count, m, r_count), np.nan)
+    b_end = np.full((s_count, m, r_count), np.nan)
+    free = np.zeros((s_count, r_count))
+    ptr = [0] * s_count
+    remaining = 2 * m * s_count
+    ft = np.ascontiguousarray(fwd.transpose(2, 1, 0))  # [S, M, R]
+    bt = np.ascontiguousarray(bwd.transpose(2, 1, 0))
+    while remaining:
+        progressed = False
+        for s in range(s_count):
+            ops = order[s]
+            while ptr[s] < len(ops):
+                kind, j = ops[ptr[s]]
+                if kind == 0:
+                    if s > 0:
+                        dep = f_end[s - 1, j]
+                        if np.isnan(dep[0]):
+                            break
+                        start = np.maximum(free[s], dep)
+                    else:
+                        start = free[s]
+                    end = start + ft[s, j]
+                    f_end[s, j] = end
+                else:
+                    dep = b_end[s + 1, j] if s + 1 < s_count else f_end[s, j]
+                    if np.isnan(dep[0]):
+                        break
+                    end = np.maximum(free[s], dep) + bt[s, j]
+                    b_end[s, j] = end
+                free[s] = end
+                ptr[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:  # pragma: no cover - the schedules above are deadlock-free
+            raise RuntimeError(f"schedule {schedule!r} deadlocked at {ptr}")
+    replica_times = free.max(axis=0)
+    busy = (fwd + bwd).sum(axis=1)  # [R, S]
+    worst = int(np.argmax(replica_times))
+    t = float(replica_times[worst])
+    bubble = 1.0 - float(busy[worst].sum()) / (s_count * t) if t > 0 else 0.0
+    return PipelineResult(t, replica_times, busy, bubble)
+
+
+def set_loads(sets: Sequence[Sequence[np.ndarray]], per_sample: np.ndarray) -> np.ndarray:
+    """Sum ``per_sample`` [N] or [N, K] over every set ``sets[r][j]``: [R, M] or [R, M, K]."""
+    per_sample = np.asarray(per_sample, dtype=np.float64)
+    r_count, m = len(sets), len(sets[0])
+    slot_parts, idx_parts = [], []
+    for r in range(r_count):
+        for j in range(m):
+            ix = np.asarray(sets[r][j], dtype=np.int64)
+            idx_parts.append(ix)
+            slot_parts.append(np.full(len(ix), r * m + j, dtype=np.int64))
+    idx = np.concatenate(idx_parts) if idx_parts else np.zeros(0, np.int64)
+    slot = np.concatenate(slot_parts) if slot_parts else np.zeros(0, np.int64)
+    if per_sample.ndim == 1:
+        return np.bincount(slot, weights=per_sample[idx], minlength=r_count * m).reshape(r_count, m)
+    out = np.zeros((r_count * m, per_sample.shape[1]))
+    np.add.at(out, slot, per_sample[idx])
+    return out.reshape(r_count, m, per_sample.shape[1])
+
+
+def _stage_sample_costs(costs: SampleCosts, stages: Sequence[StagePlan]):
+    """Per-sample (enc_fwd, enc_bwd, llm_fwd, llm_bwd) [N, S] of every stage's segments."""
+    n, s_count = len(costs), len(stages)
+    ef, eb, lf, lb = (np.zeros((n, s_count)) for _ in range(4))
+    for s, st in enumerate(stages):
+        for seg in st.segments:
+            f, b = costs.stage_cost(
+                seg.encoder_index, seg.layer_start, seg.layer_end, seg.first, seg.last
+            )
+            if seg.encoder_index is None:
+                lf[:, s] += f
+                lb[:, s] += b
+            else:
+                ef[:, s] += f
+                eb[:, s] += b
+    return ef, eb, lf, lb
+
+
+def stage_times(
+    assignment: Assignment, costs: SampleCosts, stages: Sequence[StagePlan], tp_speedup: float = 1.0
+) -> tuple[np.ndarray, np.ndarray]:
+    """[R, M, S] forward and backward seconds of every stage for ``assignment``.
+
+    ``tp_speedup`` divides every time (tensor parallelism across the stage's GPUs).
+    """
+    ef, eb, lf, lb = _stage_sample_costs(costs, stages)
+    enc = set_loads(assignment.encoder_sets, np.concatenate([ef, eb], axis=1))
+    llm = set_loads(assignment.llm_sets, np.concatenate([lf, lb], axis=1))
+    s_count = len(stages)
+    # encoder backward of a sample runs when its gradient arrives, i.e. with its L set
+    enc_bwd_by_l = set_loads(assignment.llm_sets, eb)
+    fwd = enc[..., :s_count] + llm[..., :s_count]
+    bwd = enc_bwd_by_l + llm[..., s_count:]
+    return fwd / tp_speedup, bwd / tp_speedup
+
+
+def simulate_assignment(
+    assignment: Assignment,
+    costs: SampleCosts,
+    stages: Sequence[StagePlan],
+    schedule: str = "1f1b",
+    tp_speedup: float = 1.0,
+) -> PipelineResult:
+    """Simulated iteration of ``assignment`` on the pipeline ``stages``."""
+    fwd, bwd = stage_times(assignment, costs, stages, tp_speedup)
+    return simulate_pipeline(fwd, bwd, schedule)
+
+
+def ideal_times(fwd: np.ndarray, bwd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every microbatch of every replica at the per-stage mean: the balanced ideal."""
+    fwd, bwd = _check(fwd, bwd)
+    mf = fwd.mean(axis=(0, 1), keepdims=True)
+    mb = bwd.mean(axis=(0, 1), keepdims=True)
+    return np.broadcast_to(mf, fwd.shape).copy(), np.broadcast_to(mb, bwd.shape).copy()
