@@ -33,7 +33,8 @@ from .common import Assignment, Inputs, rng_for
 
 __all__ = ["assign_entrain", "split_replicas", "lpt_bins"]
 
-_SWAP_CANDIDATES = 256  # members considered per replica in one swap step
+_SWAP_CANDIDATES = 128  # members considered per replica in one swap step
+_GOOD_ENOUGH = 2e-3  # relative deviation of a replica's module sum below which swaps stop
 
 
 def _norm_columns(w: np.ndarray) -> np.ndarray:
@@ -67,7 +68,7 @@ def split_replicas(
         lightest = np.argsort(loads.sum(axis=1), kind="stable")
         members[lightest, k] = items
         loads[lightest] += wp[items]
-    _refine_replicas(members, loads, wp, swap_iters if swap_iters is not None else min(4 * dp, 256))
+    _refine_replicas(members, loads, wp, swap_iters if swap_iters is not None else min(2 * dp, 32))
     return members
 
 
@@ -84,6 +85,8 @@ def _refine_replicas(members: np.ndarray, loads: np.ndarray, wp: np.ndarray, ite
         rel = (loads - mean) / scale  # [dp, D]
         obj = np.abs(rel).max(axis=1)
         a = int(np.argmax(obj))
+        if obj[a] < _GOOD_ENOUGH:
+            break
         dim = int(np.argmax(np.abs(rel[a])))
         sign = np.sign(rel[a, dim])
         cand = np.argsort(sign * rel[:, dim], kind="stable")
@@ -244,15 +247,20 @@ def _llm_sets(eidx, has_enc, valid, llm, tok, m, cap, budget, tol):
     return lidx, failed
 
 
+def _grouped(members: np.ndarray, slot: np.ndarray, count: int) -> list[np.ndarray]:
+    """Members grouped by slot (0..count-1), ascending sample order inside a group."""
+    order = np.lexsort((members, slot))
+    bounds = np.searchsorted(slot[order], np.arange(count + 1))
+    ms = members[order]
+    return [ms[bounds[k] : bounds[k + 1]] for k in range(count)]
+
+
 def _to_assignment(method, members, valid, eidx, lidx, r_count, m) -> Assignment:
     """Collect per-(replica, microbatch) index arrays (ascending sample order inside a set)."""
-    enc_sets, llm_sets = [], []
-    for r in range(r_count):
-        v = valid[r]
-        mem = members[r, v]
-        e, ell = eidx[r, v], lidx[r, v]
-        so = np.argsort(mem, kind="stable")
-        mem, e, ell = mem[so], e[so], ell[so]
-        enc_sets.append([mem[e == j] for j in range(m)])
-        llm_sets.append([mem[ell == j] for j in range(m)])
+    rep = np.broadcast_to(np.arange(r_count)[:, None], members.shape)[valid]
+    mem = members[valid]
+    enc = _grouped(mem, rep * m + eidx[valid], r_count * m)
+    llm = _grouped(mem, rep * m + lidx[valid], r_count * m)
+    enc_sets = [enc[r * m : (r + 1) * m] for r in range(r_count)]
+    llm_sets = [llm[r * m : (r + 1) * m] for r in range(r_count)]
     return Assignment(method, r_count, m, enc_sets, llm_sets)

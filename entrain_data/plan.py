@@ -1,0 +1,281 @@
+"""The static parallel plan: frozen, validated value types serialised to JSON with a schema version.
+
+A plan is applied once at start-up and never re-sharded: every part of the
+system (the loader service, the adapters) reads the same file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from .errors import InvalidInput, PlanError
+from .presets import ModelSpec
+
+__all__ = [
+    "PLAN_SCHEMA_VERSION",
+    "Cluster",
+    "StageSegment",
+    "StagePlan",
+    "RankCoords",
+    "ParallelPlan",
+]
+
+PLAN_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The GPUs a job runs on. Bandwidths are per GPU, in GB/s (NVLink inside a node, IB across)."""
+
+    world_size: int
+    gpus_per_node: int = 8
+    gpu_memory_gb: float = 80.0
+    intra_node_gbps: float = 450.0
+    inter_node_gbps: float = 50.0
+
+    def __post_init__(self) -> None:
+        for f in ("world_size", "gpus_per_node"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v < 1:
+                raise InvalidInput(f"cluster: {f} must be a positive integer, got {v!r}")
+        for f in ("gpu_memory_gb", "intra_node_gbps", "inter_node_gbps"):
+            if not getattr(self, f) > 0:
+                raise InvalidInput(f"cluster: {f} must be > 0, got {getattr(self, f)!r}")
+
+
+@dataclass(frozen=True)
+class StageSegment:
+    """Layers ``[layer_start, layer_end)`` of one module held by a pipeline stage.
+
+    ``first``/``last``: the stage also holds the module's embedding / head.
+    ``encoder_index`` is the encoder's column (None for the LLM).
+    """
+
+    module: str
+    encoder_index: int | None
+    layer_start: int
+    layer_end: int
+    first: bool
+    last: bool
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.layer_start <= self.layer_end:
+            raise InvalidInput(
+                f"stage segment {self.module!r}: bad layer range [{self.layer_start}, {self.layer_end})"
+            )
+
+    @property
+    def kind(self) -> str:
+        return "llm" if self.encoder_index is None else "encoder"
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage: the module segments it holds and its expected load per iteration."""
+
+    index: int
+    segments: tuple[StageSegment, ...]
+    expected_load: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.segments:
+            raise InvalidInput(f"stage {self.index} holds no layers")
+        object.__setattr__(self, "segments", tuple(self.segments))
+
+    @property
+    def module(self) -> str:
+        """The modules of this stage, ``+``-joined (``llm``, ``qwen2.5-vl-vision+llm`` ...)."""
+        return "+".join(dict.fromkeys(s.module for s in self.segments))
+
+    @property
+    def kind(self) -> str:
+        kinds = {s.kind for s in self.segments}
+        return kinds.pop() if len(kinds) == 1 else "mixed"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "module": self.module,
+            "kind": self.kind,
+            "layers": {s.module: [s.layer_start, s.layer_end] for s in self.segments},
+            "segments": [asdict(s) for s in self.segments],
+            "expected_load": self.expected_load,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StagePlan:
+        try:
+            segs = tuple(StageSegment(**s) for s in d["segments"])
+            return cls(int(d["index"]), segs, float(d.get("expected_load", 0.0)))
+        except (KeyError, TypeError) as exc:
+            raise InvalidInput(f"plan: malformed stage entry ({exc})") from exc
+
+
+@dataclass(frozen=True)
+class RankCoords:
+    """Where a global rank sits: its DP replica, pipeline stage and tensor-parallel rank."""
+
+    replica: int
+    stage: int
+    tp_rank: int
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """The static plan (see DESIGN.md, "Static plan"): layout, microbatching, expectations."""
+
+    world_size: int
+    gpus_per_node: int
+    dp: int
+    tp: int
+    pp: int
+    stages: tuple[StagePlan, ...]
+    microbatches: int
+    global_batch: int
+    max_tokens: int
+    defer_budget: int
+    method: str = "entrain"
+    schedule: str = "1f1b"
+    expected_iteration_time: float = 0.0
+    ideal_iteration_time: float = 0.0
+    oracle_gap: float = 0.0
+    worst_static_gap: float = 0.0
+    memory_gb: tuple[float, ...] = ()
+    model: dict = field(default_factory=dict)
+    calibration: dict | None = None
+    search: dict = field(default_factory=dict)
+    schema_version: int = PLAN_SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stages", tuple(self.stages))
+        object.__setattr__(self, "memory_gb", tuple(self.memory_gb))
+        for f in ("world_size", "dp", "tp", "pp", "microbatches", "global_batch", "max_tokens"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v < 1:
+                raise InvalidInput(f"plan: field {f!r} must be a positive integer, got {v!r}")
+        if not isinstance(self.defer_budget, int) or self.defer_budget < 0:
+            raise InvalidInput(
+                f"plan: field 'defer_budget' must be an integer >= 0, got {self.defer_budget!r}"
+            )
+        if self.dp * self.tp * self.pp != self.world_size:
+            raise PlanError(
+                f"plan: dp*tp*pp = {self.dp}*{self.tp}*{self.pp} != world_size {self.world_size}"
+            )
+        if len(self.stages) != self.pp:
+            raise InvalidInput(f"plan: {len(self.stages)} stages listed for pp={self.pp}")
+        if self.global_batch < self.dp * self.microbatches:
+            raise PlanError(
+                f"plan: global_batch {self.global_batch} < dp*microbatches = {self.dp * self.microbatches}"
+            )
+        if self.schema_version > PLAN_SCHEMA_VERSION:
+            raise InvalidInput(
+                f"plan: schema version {self.schema_version} is newer than this package's ({PLAN_SCHEMA_VERSION})"
+            )
+
+    # -------------------------------------------------------------- queries
+    def model_spec(self) -> ModelSpec:
+        """The model the plan was made for (encoders, LLM) as a :class:`ModelSpec`."""
+        if not self.model:
+            raise InvalidInput("plan: no model spec saved in this plan")
+        return ModelSpec.from_dict(self.model)
+
+    def rank_coords(self, rank: int) -> RankCoords:
+        """Megatron's rank order: tensor-parallel fastest, then data-parallel, then pipeline."""
+        if not 0 <= rank < self.world_size:
+            raise InvalidInput(f"rank {rank} outside 0..{self.world_size - 1}")
+        tp_rank = rank % self.tp
+        replica = (rank // self.tp) % self.dp
+        stage = rank // (self.tp * self.dp)
+        return RankCoords(replica, stage, tp_rank)
+
+    def ranks_of_replica(self, replica: int) -> list[int]:
+        """Every global rank that serves DP replica ``replica`` (all stages and TP ranks)."""
+        if not 0 <= replica < self.dp:
+            raise InvalidInput(f"replica {replica} outside 0..{self.dp - 1}")
+        return [
+            (s * self.dp + replica) * self.tp + t for s in range(self.pp) for t in range(self.tp)
+        ]
+
+    def fingerprint(self) -> str:
+        """Short hash of the layout and microbatching: resume state refuses a different plan."""
+        key = json.dumps(
+            {
+                k: v
+                for k, v in self.to_dict().items()
+                if k
+                in (
+                    "dp",
+                    "tp",
+                    "pp",
+                    "microbatches",
+                    "global_batch",
+                    "max_tokens",
+                    "defer_budget",
+                    "method",
+                    "model",
+                )
+            },
+            sort_keys=True,
+        )
+        return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+    def with_method(self, method: str) -> ParallelPlan:
+        """The same layout with another assignment method (for comparisons)."""
+        return replace(self, method=method)
+
+    # ------------------------------------------------------ (de)serialising
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["stages"] = [s.to_dict() for s in self.stages]
+        d["memory_gb"] = list(self.memory_gb)
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], origin: str = "<plan>") -> ParallelPlan:
+        if not isinstance(d, dict):
+            raise InvalidInput(f"{origin}: a plan must be a JSON object")
+        missing = [
+            k
+            for k in ("dp", "tp", "pp", "stages", "microbatches", "max_tokens", "defer_budget")
+            if k not in d
+        ]
+        if missing:
+            raise InvalidInput(f"{origin}: plan is missing field(s) {', '.join(missing)}")
+        known = set(cls.__dataclass_fields__)
+        kwargs = {k: v for k, v in d.items() if k in known}
+        kwargs["stages"] = tuple(StagePlan.from_dict(s) for s in d["stages"])
+        kwargs["memory_gb"] = tuple(d.get("memory_gb", ()))
+        try:
+            return cls(**kwargs)
+        except TypeError as exc:
+            raise InvalidInput(f"{origin}: malformed plan ({exc})") from exc
+
+    @classmethod
+    def from_json(cls, text: str, origin: str = "<plan>") -> ParallelPlan:
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InvalidInput(f"{origin}: not valid JSON ({exc})") from exc
+        return cls.from_dict(d, origin)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(self.to_json())
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> ParallelPlan:
+        path = Path(path)
+        if not path.is_file():
+            raise InvalidInput(f"plan file not found: {path}")
+        return cls.from_json(path.read_text(), origin=str(path))
