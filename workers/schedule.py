@@ -1,0 +1,177 @@
+"""What the service serves, as pure functions of (table size, plan, seed, epoch): no I/O.
+
+An epoch is a seeded permutation of the index cut into global batches of the
+plan's size; each global batch is assigned (Entrain's hierarchical assignment,
+or the plan's method) to replicas and microbatches. Every position a rank can
+ask for is a pure function of these numbers, which is why resume state is a
+handful of scalars and a restarted service reproduces exactly the same stream.
+
+A replica's stream is linear: position ``p`` is epoch ``p // S``, iteration
+``(p % S) // M``, microbatch ``p % M``, with ``M`` microbatches per iteration and
+``S = iterations * M`` positions per epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from entrain_data.assignment import assign
+from entrain_data.errors import InvalidInput
+
+__all__ = ["StreamShape", "Slot", "epoch_batches", "Scheduler"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StreamShape:
+    """Sizes of one replica's stream: iterations per epoch and microbatches per iteration."""
+
+    iterations: int
+    microbatches: int
+
+    @property
+    def per_epoch(self) -> int:
+        return self.iterations * self.microbatches
+
+    def locate(self, position: int) -> tuple[int, int, int]:
+        """(epoch, iteration, microbatch) of a linear stream position."""
+        epoch, rest = divmod(position, self.per_epoch)
+        iteration, mb = divmod(rest, self.microbatches)
+        return epoch, iteration, mb
+
+    def position(self, epoch: int, iteration: int, microbatch: int) -> int:
+        """Inverse of :meth:`locate`."""
+        return (epoch * self.iterations + iteration) * self.microbatches + microbatch
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Table rows of one microbatch of one replica: encoder set and LLM set, in order."""
+
+    encoder_rows: np.ndarray
+    llm_rows: np.ndarray
+
+
+def epoch_batches(
+    n: int, global_batch: int, min_batch: int, seed: int, epoch: int
+) -> list[np.ndarray]:
+    """Table rows of every global batch of ``epoch`` (a seeded permutation, cut in order).
+
+    The last, partial batch is kept when it has at least ``min_batch`` samples
+    (enough to give every microbatch one); otherwise its samples are left out of
+    this epoch (logged) - a different permutation puts them elsewhere next epoch.
+    """
+    if global_batch < 1:
+        raise InvalidInput(f"global_batch must be >= 1, got {global_batch}")
+    perm = np.random.default_rng([int(seed) & 0xFFFFFFFF, int(epoch), 0x5EED]).permutation(n)
+    batches = [perm[i : i + global_batch] for i in range(0, n, global_batch)]
+    if batches and len(batches[-1]) < min(global_batch, min_batch):
+        dropped = batches.pop()
+        log.warning(
+            "epoch %d: the last %d sample(s) cannot fill %d microbatches and are left out",
+            epoch,
+            len(dropped),
+            min_batch,
+        )
+    return [b.astype(np.int64) for b in batches]
+
+
+class Scheduler:
+    """Global batches and their assignment, computed ahead of need and cached per iteration.
+
+    ``encoder_cost`` [N, E], ``llm_cost`` [N] and ``tokens`` [N] are per-sample
+    costs over the whole index (from the cost model, computed once).
+    """
+
+    def __init__(
+        self,
+        encoder_cost: np.ndarray,
+        llm_cost: np.ndarray,
+        tokens: np.ndarray,
+        *,
+        dp: int,
+        microbatches: int,
+        global_batch: int,
+        max_tokens: int | None,
+        defer_budget: int | None,
+        method: str,
+        seed: int,
+        cache: int = 8,
+    ) -> None:
+        self.encoder_cost = np.asarray(encoder_cost)
+        self.llm_cost = np.asarray(llm_cost)
+        self.tokens = np.asarray(tokens, dtype=np.int64)
+        self.dp, self.microbatches = int(dp), int(microbatches)
+        self.global_batch = int(global_batch)
+        self.max_tokens, self.defer_budget = max_tokens, defer_budget
+        self.method, self.seed = method, int(seed)
+        n = len(self.llm_cost)
+        min_batch = self.dp * self.microbatches
+        probe = epoch_batches(n, self.global_batch, min_batch, self.seed, 0)
+        if not probe:
+            raise InvalidInput(
+                f"the index has {n} samples, too few for one global batch of "
+                f"dp={self.dp} x microbatches={self.microbatches}"
+            )
+        self.shape = StreamShape(len(probe), self.microbatches)
+        self._batches: dict[int, list[np.ndarray]] = {0: probe}
+        self._slots: dict[tuple[int, int], list[list[Slot]]] = {}
+        self._cache = cache
+        self.latencies: list[float] = []
+
+    def batches(self, epoch: int) -> list[np.ndarray]:
+        if epoch not in self._batches:
+            if len(self._batches) > 2:
+                self._batches.pop(min(self._batches))
+            self._batches[epoch] = epoch_batches(
+                len(self.llm_cost),
+                self.global_batch,
+                self.dp * self.microbatches,
+                self.seed,
+                epoch,
+            )
+        return self._batches[epoch]
+
+    def slots(self, epoch: int, iteration: int) -> list[list[Slot]]:
+        """[replica][microbatch] -> :class:`Slot` for one iteration (assigned on first use)."""
+        key = (epoch, iteration)
+        if key not in self._slots:
+            rows = self.batches(epoch)[iteration]
+            t0 = time.perf_counter()
+            a = assign(
+                self.encoder_cost[rows],
+                self.llm_cost[rows],
+                self.tokens[rows],
+                dp=self.dp,
+                microbatches=self.microbatches,
+                max_tokens=self.max_tokens,
+                defer_budget=self.defer_budget,
+                method=self.method,
+                seed=self.seed,
+                iteration=epoch * self.shape.iterations + iteration,
+            )
+            self.latencies.append(time.perf_counter() - t0)
+            if len(a.carried):
+                raise InvalidInput(
+                    f"assignment method {self.method!r} carries samples across iterations; "
+                    "the loader serves only methods that keep every sample in its iteration"
+                )
+            self._slots[key] = [
+                [
+                    Slot(rows[a.encoder_sets[r][j]], rows[a.llm_sets[r][j]])
+                    for j in range(a.microbatches)
+                ]
+                for r in range(a.dp)
+            ]
+            while len(self._slots) > self._cache:
+                self._slots.pop(next(iter(self._slots)))
+        return self._slots[key]
+
+    def slot(self, replica: int, position: int) -> Slot:
+        epoch, it, mb = self.shape.locate(position)
+        return self.slots(epoch, it)[replica][mb]
