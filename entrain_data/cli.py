@@ -46,7 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     for register in _core_registrars():
         register(sub)
     for ep in sorted(entry_points(group="entrain_data.cli"), key=lambda e: e.name):
-        ep.load()(sub)
+        try:
+            register = ep.load()
+        except ImportError as exc:  # a missing optional plugin must not break the core commands
+            logging.getLogger(__name__).debug("command plugin %r not loaded: %s", ep.name, exc)
+            continue
+        register(sub)
     return parser
 
 

@@ -145,6 +145,7 @@ class ParallelPlan:
     oracle_gap: float = 0.0
     worst_static_gap: float = 0.0
     memory_gb: tuple[float, ...] = ()
+    recompute: bool = False
     model: dict = field(default_factory=dict)
     calibration: dict | None = None
     search: dict = field(default_factory=dict)

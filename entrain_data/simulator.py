@@ -161,14 +161,10 @@ def set_loads(sets: Sequence[Sequence[np.ndarray]], per_sample: np.ndarray) -> n
     """Sum ``per_sample`` [N] or [N, K] over every set ``sets[r][j]``: [R, M] or [R, M, K]."""
     per_sample = np.asarray(per_sample, dtype=np.float64)
     r_count, m = len(sets), len(sets[0])
-    slot_parts, idx_parts = [], []
-    for r in range(r_count):
-        for j in range(m):
-            ix = np.asarray(sets[r][j], dtype=np.int64)
-            idx_parts.append(ix)
-            slot_parts.append(np.full(len(ix), r * m + j, dtype=np.int64))
-    idx = np.concatenate(idx_parts) if idx_parts else np.zeros(0, np.int64)
-    slot = np.concatenate(slot_parts) if slot_parts else np.zeros(0, np.int64)
+    flat = [s for row in sets for s in row]
+    lens = np.fromiter((len(s) for s in flat), dtype=np.int64, count=len(flat))
+    idx = np.concatenate(flat).astype(np.int64, copy=False) if flat else np.zeros(0, np.int64)
+    slot = np.repeat(np.arange(r_count * m, dtype=np.int64), lens)
     if per_sample.ndim == 1:
         return np.bincount(slot, weights=per_sample[idx], minlength=r_count * m).reshape(r_count, m)
     out = np.zeros((r_count * m, per_sample.shape[1]))

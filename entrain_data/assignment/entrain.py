@@ -210,21 +210,7 @@ def _llm_sets(eidx, has_enc, valid, llm, tok, m, cap, budget, tol):
             failed |= (~consumed & ~take).any(axis=1)
         else:
             target = remaining / (m - j)
-            take = np.zeros((r_count, n), bool)
-            load = np.zeros(r_count)
-            ntok = np.zeros(r_count, dtype=np.int64)
-            key = np.where(avail, llm, -np.inf)
-            order = np.argsort(-key, axis=1, kind="stable")
-            width = int(avail.sum(axis=1).max())
-            for t in range(width):
-                item = order[:, t]
-                ok = avail[rows, item]
-                c = llm[rows, item]
-                tk = tok[rows, item]
-                fits = ok & ((load + c <= target * (1 + tol)) | (load == 0)) & (ntok + tk <= cap_v)
-                take[rows[fits], item[fits]] = True
-                load += np.where(fits, c, 0.0)
-                ntok += np.where(fits, tk, 0)
+            take, ntok = _fill(avail, llm, tok, target * (1 + tol), cap_v)
             if budget is not None:
                 waiting = has_enc & (eidx <= j) & ~consumed & ~take
                 buffered = np.where(waiting, tok, 0).sum(axis=1)
@@ -253,6 +239,38 @@ def _grouped(members: np.ndarray, slot: np.ndarray, count: int) -> list[np.ndarr
     bounds = np.searchsorted(slot[order], np.arange(count + 1))
     ms = members[order]
     return [ms[bounds[k] : bounds[k + 1]] for k in range(count)]
+
+
+def _fill(avail, cost, tok, limit, cap, fills: int = 3):
+    """Per row, items with total cost near ``limit`` under the token ``cap`` (at least one).
+
+    Largest first while the running sum stays within the limit, then up to
+    ``fills`` times the largest remaining item that still fits the gap.
+    """
+    r_count, n = cost.shape
+    rows = np.arange(r_count)
+    order = np.argsort(-np.where(avail, cost, -np.inf), axis=1, kind="stable")
+    a_s = np.take_along_axis(avail, order, 1)
+    c_s = np.take_along_axis(np.where(avail, cost, 0.0), order, 1)
+    t_s = np.take_along_axis(np.where(avail, tok, 0), order, 1)
+    ok = a_s & (np.cumsum(c_s, 1) <= limit[:, None]) & (np.cumsum(t_s, 1) <= cap)
+    length = np.where(ok.all(axis=1), n, np.argmin(ok, axis=1))
+    length = np.where(a_s[:, 0] & (length == 0), 1, length)
+    take_s = np.arange(n)[None, :] < length[:, None]
+    take = np.zeros_like(avail)
+    np.put_along_axis(take, order, take_s, axis=1)
+    load = (c_s * take_s).sum(axis=1)
+    ntok = (t_s * take_s).sum(axis=1)
+    for _ in range(fills):
+        cand = avail & ~take & (cost <= (limit - load)[:, None]) & (tok <= (cap - ntok)[:, None])
+        best = np.argmax(np.where(cand, cost, -1.0), axis=1)
+        has = cand[rows, best]
+        if not has.any():
+            break
+        take[rows[has], best[has]] = True
+        load += np.where(has, cost[rows, best], 0.0)
+        ntok += np.where(has, tok[rows, best], 0)
+    return take, ntok
 
 
 def _to_assignment(method, members, valid, eidx, lidx, r_count, m) -> Assignment:

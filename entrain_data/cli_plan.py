@@ -1,0 +1,85 @@
+"""``entrain-data plan``: the static parallel plan for a cluster, model and index."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from .cli_models import add_model_arguments, calibration_from_args, model_spec_from_args
+from .metadata import read_index
+from .plan import Cluster, ParallelPlan
+from .planner import make_plan
+
+__all__ = ["register", "cmd_plan", "format_plan"]
+
+
+def format_plan(plan: ParallelPlan) -> str:
+    """The plan as a short human-readable table."""
+    lines = [
+        f"layout       dp={plan.dp} tp={plan.tp} pp={plan.pp} "
+        f"({plan.world_size} GPUs, {plan.gpus_per_node} per node)",
+        f"microbatches {plan.microbatches} per replica per iteration "
+        f"(global batch {plan.global_batch}, ~{plan.global_batch / (plan.dp * plan.microbatches):.1f} samples each)",
+        f"token cap    {plan.max_tokens} LLM tokens per microbatch; deferral budget {plan.defer_budget} tokens",
+        "stages:",
+    ]
+    for st, mem in zip(plan.stages, plan.memory_gb):
+        layers = ", ".join(f"{s.module}[{s.layer_start}:{s.layer_end}]" for s in st.segments)
+        lines.append(
+            f"  {st.index:>3}  {layers:<48} load/microbatch {st.expected_load * 1e3:8.2f} ms  mem {mem:6.1f} GB"
+        )
+    lines += [
+        f"iteration    {plan.expected_iteration_time:.4f} s expected (ideal balance {plan.ideal_iteration_time:.4f} s)",
+        f"oracle gap   {plan.oracle_gap * 100:.2f}% slower than the best layout chosen per batch",
+        f"worst static {plan.worst_static_gap * 100:.1f}% of throughput lost by the worst simulated feasible layout",
+        f"search       {plan.search.get('feasible_layouts', 0)} feasible layouts, "
+        f"{plan.search.get('simulated_layouts', 0)} simulated on {plan.search.get('profiled_batches', 0)} "
+        f"profiled batches in {plan.search.get('seconds', 0):.2f} s",
+    ]
+    return "\n".join(lines)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Plan, print and save."""
+    table = read_index(args.index)
+    spec = model_spec_from_args(args)
+    cal = calibration_from_args(args)
+    cluster = Cluster(args.gpus, args.gpus_per_node, args.gpu_memory_gb)
+    plan = make_plan(
+        table,
+        spec,
+        cluster,
+        args.global_batch,
+        dp=args.dp,
+        tp=args.tp,
+        pp=args.pp,
+        microbatches=args.microbatches,
+        batches=args.batches,
+        seed=args.seed,
+        schedule=args.schedule,
+        calibration=cal.to_dict() if cal is not None else None,
+    )
+    print(format_plan(plan))
+    out = plan.save(Path(args.output))
+    print(f"plan: {out}")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``plan`` to the ``entrain-data`` parser."""
+    p = subparsers.add_parser("plan", help="derive the static parallel plan")
+    p.add_argument("index", metavar="INDEX", help="Parquet index")
+    add_model_arguments(p)
+    p.add_argument("--gpus", type=int, required=True, metavar="N", help="world size")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu-memory-gb", type=float, default=80.0)
+    p.add_argument("--global-batch", type=int, required=True, metavar="B")
+    p.add_argument("--dp", type=int, help="pin the data-parallel degree")
+    p.add_argument("--tp", type=int, help="pin the tensor-parallel degree")
+    p.add_argument("--pp", type=int, help="pin the pipeline degree")
+    p.add_argument("--microbatches", type=int, help="pin the microbatches per iteration")
+    p.add_argument("--batches", type=int, default=8, metavar="K", help="profiled global batches")
+    p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-o", "--output", required=True, metavar="PLAN", help="plan JSON to write")
+    p.set_defaults(handler=cmd_plan)
