@@ -43,6 +43,8 @@ __all__ = [
     "stage_times",
     "simulate_assignment",
     "ideal_times",
+    "ideal_iteration_time",
+    "lower_bound",
 ]
 
 SCHEDULES = ("1f1b", "gpipe")
@@ -158,18 +160,22 @@ def simulate_pipeline(fwd: np.ndarray, bwd: np.ndarray, schedule: str = "1f1b") 
 
 
 def set_loads(sets: Sequence[Sequence[np.ndarray]], per_sample: np.ndarray) -> np.ndarray:
-    """Sum ``per_sample`` [N] or [N, K] over every set ``sets[r][j]``: [R, M] or [R, M, K]."""
+    """Sum ``per_sample`` [N] or [N, K] over every set ``sets[r][j]``: [R, M] or [R, M, K].
+
+    The sets are concatenated in slot order, so each slot's sum is a difference
+    of two prefix sums (no scatter-add; empty sets give 0).
+    """
     per_sample = np.asarray(per_sample, dtype=np.float64)
     r_count, m = len(sets), len(sets[0])
     flat = [s for row in sets for s in row]
     lens = np.fromiter((len(s) for s in flat), dtype=np.int64, count=len(flat))
     idx = np.concatenate(flat).astype(np.int64, copy=False) if flat else np.zeros(0, np.int64)
-    slot = np.repeat(np.arange(r_count * m, dtype=np.int64), lens)
-    if per_sample.ndim == 1:
-        return np.bincount(slot, weights=per_sample[idx], minlength=r_count * m).reshape(r_count, m)
-    out = np.zeros((r_count * m, per_sample.shape[1]))
-    np.add.at(out, slot, per_sample[idx])
-    return out.reshape(r_count, m, per_sample.shape[1])
+    ends = np.cumsum(lens)
+    vals = per_sample[idx]
+    prefix = np.zeros((len(idx) + 1,) + per_sample.shape[1:])
+    np.cumsum(vals, axis=0, out=prefix[1:])
+    sums = prefix[ends] - prefix[ends - lens]
+    return sums.reshape((r_count, m) + per_sample.shape[1:])
 
 
 def _stage_sample_costs(costs: SampleCosts, stages: Sequence[StagePlan]):
@@ -226,3 +232,20 @@ def ideal_times(fwd: np.ndarray, bwd: np.ndarray) -> tuple[np.ndarray, np.ndarra
     mf = fwd.mean(axis=(0, 1), keepdims=True)
     mb = bwd.mean(axis=(0, 1), keepdims=True)
     return np.broadcast_to(mf, fwd.shape).copy(), np.broadcast_to(mb, bwd.shape).copy()
+
+
+def ideal_iteration_time(fwd: np.ndarray, bwd: np.ndarray, schedule: str = "1f1b") -> float:
+    """Iteration time with every microbatch at its stage's mean: what perfect balance would give."""
+    mf, mb = ideal_times(fwd, bwd)
+    return simulate_pipeline(mf[:1], mb[:1], schedule).iteration_time
+
+
+def lower_bound(fwd: np.ndarray, bwd: np.ndarray) -> float:
+    """No redistribution of this work over the replicas can beat it.
+
+    The busiest stage of the slowest replica does at least the replicas' mean
+    work on that stage, so ``max_s mean_r sum_j (f + b)[r, j, s]`` bounds every
+    assignment of the same samples from below (pipeline fill and drain aside).
+    """
+    fwd, bwd = _check(fwd, bwd)
+    return float((fwd + bwd).sum(axis=1).mean(axis=0).max())

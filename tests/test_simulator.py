@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 
 from entrain_data.errors import InvalidInput
-from entrain_data.simulator import ideal_times, schedule_order, set_loads, simulate_pipeline
+from entrain_data.simulator import (
+    ideal_iteration_time,
+    ideal_times,
+    lower_bound,
+    schedule_order,
+    set_loads,
+    simulate_pipeline,
+)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
@@ -86,3 +93,25 @@ def test_bad_input_is_rejected(fwd, bwd):
 def test_unknown_schedule():
     with pytest.raises(InvalidInput, match="schedule"):
         simulate_pipeline(np.ones((1, 1, 1)), np.ones((1, 1, 1)), "zb")
+
+
+def test_ideal_and_lower_bound_closed_forms():
+    rng = np.random.default_rng(2)
+    r, m, s = 3, 6, 4
+    fwd = rng.random((r, m, s)) + 0.1
+    bwd = 2 * fwd
+    mf = fwd.mean(axis=(0, 1))
+    mb = bwd.mean(axis=(0, 1))
+    # equal microbatches, stages differing: GPipe is two flow shops of identical jobs,
+    # each sum over stages + (M - 1) x the slowest stage
+    uniform = np.ones((1, m, s)) * mf
+    expect = mf.sum() + (m - 1) * mf.max() + mb.sum() + (m - 1) * mb.max()
+    assert simulate_pipeline(uniform, 2 * uniform, "gpipe").iteration_time == pytest.approx(expect)
+    assert ideal_iteration_time(fwd, bwd, "gpipe") == pytest.approx(expect)
+    one_f_one_b = simulate_pipeline(uniform, 2 * uniform).iteration_time
+    assert ideal_iteration_time(fwd, bwd) == pytest.approx(one_f_one_b)
+    # 1F1B cannot beat the slowest stage's busy time nor one microbatch's round trip
+    assert one_f_one_b >= max(m * (mf + mb).max(), (mf + mb).sum()) - 1e-9
+    lb = lower_bound(fwd, bwd)
+    assert lb == pytest.approx((fwd + bwd).sum(axis=1).mean(axis=0).max())
+    assert lb <= ideal_iteration_time(fwd, bwd) <= simulate_pipeline(fwd, bwd).iteration_time
