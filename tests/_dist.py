@@ -1,0 +1,214 @@
+"""Helpers for the multi-rank adapter tests: free ports, bounded spawn, the shared scenario.
+
+Every rank runs in a fresh ``spawn`` process with its own gloo process group on a
+free port; the process group is always destroyed, the parent kills every rank
+on timeout, and a rank's traceback comes back in the assertion message.
+
+The scenario: a few global batches of synthetic multimodal samples of widely
+varying sizes, split by Entrain's ``assign()`` into dp x M variable-size
+microbatches with deferral, against the reference run that trains the same
+global batches in one process as one unbalanced batch.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.multiprocessing as mp
+from entrain_data.adapters.reference_model import (
+    ReferenceMLLM,
+    SyntheticSample,
+    pack_microbatch,
+    synthetic_samples,
+)
+
+from entrain_data.assignment import assign
+from entrain_data.batch import Microbatch
+
+__all__ = [
+    "free_port",
+    "run_ranks",
+    "global_batches",
+    "replica_microbatches",
+    "count_deferred",
+    "make_model",
+    "reference_params",
+    "assert_params_close",
+]
+
+SAMPLES_PER_BATCH = 16
+LR = 0.1
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(
+    rank: int, world: int, port: int, fn: Callable, args: tuple, err_dir: str, env: dict
+) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+    )
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        )
+        fn(rank, world, *args)
+        dist.barrier()  # rank 0 hosts the store: nobody leaves before everyone is done
+    except BaseException:
+        Path(err_dir, f"rank{rank}.txt").write_text(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(
+    fn: Callable, *args: Any, world: int = 2, timeout: float = 120.0, env: dict | None = None
+) -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned gloo ranks; raise on error or timeout."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as err_dir:
+        procs = [
+            ctx.Process(
+                target=_rank_main, args=(r, world, port, fn, args, err_dir, env or {}), daemon=True
+            )
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        try:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and any(p.is_alive() for p in procs):
+                if any(Path(err_dir).glob("rank*.txt")):
+                    break  # one rank failed: the others may wait on it forever
+                time.sleep(0.05)
+            for p in procs:
+                p.join(0.5 if p.exitcode is None else 0)
+            alive = [r for r, p in enumerate(procs) if p.is_alive()]
+            errors = {f.name: f.read_text() for f in sorted(Path(err_dir).glob("rank*.txt"))}
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+        if errors:
+            raise AssertionError(
+                "rank failed:\n" + "\n".join(f"{k}:\n{v}" for k, v in errors.items())
+            )
+        if alive:
+            raise AssertionError(f"ranks {alive} still running after {timeout} s: killed")
+        codes = [p.exitcode for p in procs]
+        assert codes == [0] * world, f"rank exit codes {codes}"
+
+
+# ------------------------------------------------------------------ scenario
+def global_batches(steps: int, seed: int = 1) -> list[list[SyntheticSample]]:
+    """``steps`` global batches of synthetic samples (keys unique across batches)."""
+    return [
+        synthetic_samples(SAMPLES_PER_BATCH, seed=seed + i, prefix=f"b{i}-") for i in range(steps)
+    ]
+
+
+def replica_microbatches(
+    batch: list[SyntheticSample], iteration: int, dp: int, microbatches: int
+) -> list[list[Microbatch]]:
+    """Entrain's assignment of ``batch``: per replica, its microbatches in order."""
+    enc = np.array([s.encoder_tokens**1.5 for s in batch], dtype=float)
+    llm = np.array([s.llm_tokens for s in batch], dtype=float)
+    tokens = np.array([s.llm_tokens for s in batch], dtype=np.int64)
+    a = assign(
+        enc,
+        llm,
+        tokens,
+        dp=dp,
+        microbatches=microbatches,
+        defer_budget=10_000,
+        seed=0,
+        iteration=iteration,
+    )
+    samples = {s.key: s for s in batch}
+    keys = [s.key for s in batch]
+    return [
+        [
+            pack_microbatch(
+                samples,
+                [keys[i] for i in a.encoder_sets[r][j]],
+                [keys[i] for i in a.llm_sets[r][j]],
+                iteration=iteration,
+                microbatch=j,
+                replica=r,
+            )
+            for j in range(microbatches)
+        ]
+        for r in range(dp)
+    ]
+
+
+def count_deferred(mbs: list[Microbatch]) -> int:
+    return sum(len(mb.deferred_out) for mb in mbs)
+
+
+def make_model(seed: int = 0, **kw: Any) -> ReferenceMLLM:
+    torch.manual_seed(seed)
+    from entrain_data.adapters.reference_model import ReferenceConfig
+
+    return ReferenceMLLM(ReferenceConfig(**kw))
+
+
+def reference_params(
+    batches: list[list[SyntheticSample]], mode: str = "token", seed: int = 0, **kw: Any
+) -> dict[str, torch.Tensor]:
+    """Train on each global batch as ONE microbatch in one process (no balancing), plain SGD."""
+    model = make_model(seed, **kw)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for it, batch in enumerate(batches):
+        samples = {s.key: s for s in batch}
+        keys = list(samples)
+        mb = pack_microbatch(samples, keys, keys, iteration=it)
+        loss_sum, count = model(mb, mode=mode)
+        (loss_sum / count).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_params_close(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], atol: float = 2e-5
+) -> None:
+    assert set(got) == set(want), sorted(set(got) ^ set(want))
+    worst = max(float((got[k].float() - want[k].float()).abs().max()) for k in want)
+    moved = max(float((want[k] - make_model().state_dict()[k]).abs().max()) for k in want)
+    assert moved > 1e-3, "reference did not train: the comparison would prove nothing"
+    assert worst < atol, f"parameters differ from the unbalanced reference by {worst:.3g}"
+
+
+def one_thread() -> Any:
+    """Generator for a fixture: torch on one thread (tiny ops on a shared box), restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
