@@ -84,7 +84,8 @@ class TarTextPacker:
 
     index_path: str
     on_error: str = "raise"
-    die_on_task: int = -1  # worker exits hard on its n-th task (fault tests)
+    die_on_task: int = -1  # worker exits hard on its n-th task (fault tests) ...
+    die_marker: str = ""  # ... once: the first to die leaves this file
 
     def __call__(self):
         return _TarTextPack(self)
@@ -108,7 +109,8 @@ class _TarTextPack:
 
     def __call__(self, encoder_rows, llm_rows) -> Packed:
         self.count += 1
-        if self.count == self.spec.die_on_task:
+        if self.count == self.spec.die_on_task and not os.path.exists(self.spec.die_marker):
+            Path(self.spec.die_marker).touch()
             os._exit(9)
         skipped, texts = [], []
         for r in llm_rows:
@@ -139,9 +141,10 @@ def start(tmp_path: Path, index: Path, plan: ParallelPlan, **kw):
     kw.setdefault("workers", 2)
     on_error = kw.pop("on_error", "raise")
     die = kw.pop("die_on_task", -1)
+    marker = kw.pop("die_marker", str(tmp_path / "died"))
     return start_service(
         plan=plan,
-        packer_factory=TarTextPacker(str(index), on_error=on_error, die_on_task=die),
+        packer_factory=TarTextPacker(str(index), on_error, die, marker),
         table_costs=TextCosts(str(index)),
         socket_dir=str(tmp_path / "entrain-sock"),
         **kw,

@@ -155,7 +155,12 @@ class Coordinator:
             pool.start()
             self.state = State.SERVING
             log.info("serving %s with %d workers", self.cfg.endpoint, self.cfg.workers)
-            self._loop(front, back, pool)
+            try:
+                self._loop(front, back, pool)
+            except Exception as exc:  # tell every rank why, then stop (never leave them hanging)
+                for r in self.ranks.values():
+                    self._reply(front, r.ident, "error", {"message": f"service failed: {exc}"})
+                raise
         finally:
             self.state = State.DRAINING
             pool.stop()
@@ -190,7 +195,8 @@ class Coordinator:
                     except zmq.Again:
                         break
                     self._on_worker(front, pool, frames)
-            for lost in pool.reap():
+            lost = pool.reap()
+            if lost:
                 self._requeue(lost)
                 self.counters.tasks_reissued += len(lost)
             if pool.restarts > self.cfg.max_restarts:
