@@ -1,0 +1,404 @@
+"""Real forward/backward times of a small MLLM per microbatch: sequential versus Entrain.
+
+Forms global batches of a named workload, assigns microbatches with
+``entrain_data.assignment.assign`` for each method, builds the real input
+tensors of every microbatch (random pixel patches of each image's grid, random
+token ids of each sample's packed length) and times, per microbatch, the
+vision encoder's forward and backward on its encoder set and the LLM's forward
+and backward on its LLM set. It reports the mean and standard deviation of
+those times per method (the paper's measure: vision forward std 208 -> 19.6 ms),
+fits the cost model to them (``entrain_data.cost_model.calibrate``: fit
+error), and feeds them to the pipeline simulator (1 encoder stage + K LLM
+stages) for a simulated iteration time per method.
+
+GPU (default when CUDA is present): a Qwen2.5-VL-shaped ViT (16 layers, ~330M
+parameters) and Llama-3.2-1B, bf16 weights, activation recompute per layer.
+CPU CI mode: ``python bench/train_step.py --device cpu --tiny`` (tiny dims,
+images capped at 256 patches, text lengths / 16), a few seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _train_step_model import (  # noqa: E402
+    DecoderLLM,
+    MicrobatchInputs,
+    VisionTower,
+    build_llm_inputs,
+    build_vision_inputs,
+    item_grids,
+)
+
+from entrain_data.assignment import assign  # noqa: E402
+from entrain_data.cost_model import ModelSpec, calibrate, load_module, per_sample_costs  # noqa: E402
+from entrain_data.metadata import SampleTable  # noqa: E402
+from entrain_data.simulator import ideal_iteration_time, simulate_pipeline  # noqa: E402
+from entrain_data.workloads import synthesize  # noqa: E402
+
+__all__ = ["main", "bench_spec"]
+
+log = logging.getLogger("bench.train_step")
+MEASURES = ("encoder_fwd", "encoder_bwd", "llm_fwd", "llm_bwd")
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def bench_spec(tiny: bool, vision_layers: int | None, llm_layers: int | None) -> ModelSpec:
+    """The ModelSpec of the timed model (the cost model prices exactly these shapes)."""
+    vit = load_module("qwen2.5-vl-vision")
+    llm = load_module("llama-3.2-1b")
+    if tiny:
+        vit = dataclasses.replace(
+            vit, name="tiny-vit", hidden=32, layers=2, ffn=64, heads=2, kv_heads=2,
+            max_pixels=64 * 28 * 28, video_max_pixels=0, video_total_pixels=0,
+            full_attention_layers=(1,),
+        )  # fmt: skip
+        llm = dataclasses.replace(
+            llm, name="tiny-llm", hidden=32, layers=2, ffn=64, heads=4, kv_heads=2,
+            head_dim=8, vocab=512,
+        )  # fmt: skip
+    if vision_layers is not None or not tiny:
+        n = vision_layers if vision_layers is not None else 16
+        full = tuple(i for i in vit.full_attention_layers if i < n) or (n - 1,)
+        vit = dataclasses.replace(
+            vit, name=f"{vit.name}-{n}l", layers=n, full_attention_layers=full
+        )
+    if llm_layers is not None:
+        llm = dataclasses.replace(llm, name=f"{llm.name}-{llm_layers}l", layers=llm_layers)
+    return ModelSpec(encoders=(vit,), llm=llm, name=f"{vit.name}+{llm.name}")
+
+
+def _scaled_text(table: SampleTable, scale: int) -> SampleTable:
+    if scale == 1:
+        return table
+    text = np.maximum(1, -(-table.text_tokens // scale)).astype(np.int64)
+    return dataclasses.replace(table, text_tokens=text)
+
+
+class _Timer:
+    """Seconds of one call: CUDA events around it on a GPU, perf_counter on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn):
+        if self.cuda:
+            torch.cuda.synchronize()
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn()
+            end.record()
+            end.synchronize()
+            return out, start.elapsed_time(end) / 1e3
+        t0 = time.perf_counter()
+        out = fn()
+        return out, time.perf_counter() - t0
+
+
+def _time_microbatch(vit, llm, mb: MicrobatchInputs, arrival, timer: _Timer) -> dict[str, float]:
+    """Forward and backward of the encoder on E_j and of the LLM on L_j, each timed alone."""
+    out: dict[str, float] = dict.fromkeys(MEASURES + ("encoder_bwd_arrival",), 0.0)
+    vit.zero_grad(set_to_none=True)
+    llm.zero_grad(set_to_none=True)
+    v = mb.vision
+    if v is not None:
+        y, out["encoder_fwd"] = timer(lambda: vit(v.patches, v.full, v.windows))
+        _, out["encoder_bwd"] = timer(lambda: y.backward(v.grad_out))
+        del y
+    lm = mb.llm
+    if lm is not None:
+        loss, out["llm_fwd"] = timer(
+            lambda: llm(lm.input_ids, lm.labels, lm.media, lm.media_mask, lm.plan)
+        )
+        _, out["llm_bwd"] = timer(lambda: loss.backward())
+        del loss
+    # split backward: the encoder backward of microbatch j covers the samples whose
+    # gradient arrives with L_j; equal to E_j's backward unless the method defers
+    if arrival is None:
+        out["encoder_bwd_arrival"] = out["encoder_bwd"]
+    else:
+        y = vit(arrival.patches, arrival.full, arrival.windows)
+        _, out["encoder_bwd_arrival"] = timer(lambda: y.backward(arrival.grad_out))
+    return out
+
+
+def _check_tokens(table: SampleTable, grids: np.ndarray, cfg, costs) -> None:
+    """The model's patch counts must be the cost model's, or calibration compares apples to pears."""
+    patches = grids.prod(axis=1)
+    owners = np.repeat(np.arange(len(table)), np.diff(table.image_offsets))
+    per_sample = np.bincount(owners, weights=patches, minlength=len(table)).astype(np.int64)
+    if not np.array_equal(per_sample, costs.encoder_tokens[:, 0]):
+        raise RuntimeError("bench model patch counts differ from the cost model's encoder tokens")
+    merged = per_sample // cfg.merge**2
+    if not np.array_equal(merged, costs.vision_tokens):
+        raise RuntimeError("bench model vision tokens differ from the cost model's")
+
+
+def _stats(x: np.ndarray) -> dict[str, float]:
+    mean = float(x.mean())
+    std = float(x.std())
+    return {"mean_ms": mean * 1e3, "std_ms": std * 1e3, "cv": std / mean if mean > 0 else 0.0}
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tiny", action="store_true", help="tiny dims and sizes (CPU CI)")
+    p.add_argument("--workload", default="qwen2vl-dynamic")
+    p.add_argument("--methods", default="sequential,entrain", help="comma-separated")
+    p.add_argument("--global-batch", type=int, default=None)
+    p.add_argument("--dp", type=int, default=None)
+    p.add_argument("--microbatches", type=int, default=None, help="per replica")
+    p.add_argument("--iterations", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=None, help="untimed microbatches first")
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--defer-budget", type=int, default=None)
+    p.add_argument("--llm-stages", default="1,2,3", help="LLM pipeline stages to simulate")
+    p.add_argument("--vision-layers", type=int, default=None)
+    p.add_argument("--llm-layers", type=int, default=None)
+    p.add_argument("--text-scale", type=int, default=None, help="divide text lengths by this")
+    p.add_argument("--recompute", choices=("auto", "on", "off"), default="auto")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (tiny: 1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None, help="JSON path")
+    a = p.parse_args(argv)
+    tiny_defaults = dict(
+        global_batch=8, dp=2, microbatches=2, iterations=1, warmup=1, text_scale=16
+    )
+    gpu_defaults = dict(
+        global_batch=128, dp=2, microbatches=16, iterations=2, warmup=4, text_scale=1
+    )
+    for k, v in (tiny_defaults if a.tiny else gpu_defaults).items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    if a.out is None:
+        a.out = RESULTS / ("train_step_tiny.json" if a.tiny else "train_step.json")
+    return a
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the benchmark; print the table, write the JSON; return the result dict."""
+    a = _parse(argv)
+    t_start = time.perf_counter()
+    device = torch.device(a.device)
+    methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+    torch.manual_seed(a.seed)
+    if a.threads or (a.tiny and device.type == "cpu"):
+        torch.set_num_threads(a.threads or 1)  # steadier timings on a shared CPU
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cuda.enable_flash_sdp(True)
+        torch.backends.cuda.enable_mem_efficient_sdp(True)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    recompute = a.recompute == "on" or (a.recompute == "auto" and device.type == "cuda")
+
+    spec = bench_spec(a.tiny, a.vision_layers, a.llm_layers)
+    vit_cfg = spec.encoders[0]
+    n_rows = a.global_batch * a.iterations
+    table = _scaled_text(synthesize(a.workload, n_rows, a.seed), a.text_scale)
+    costs = per_sample_costs(table, spec)
+    enc_cost, llm_cost, tokens = costs.encoder_cost(), costs.llm_cost(), costs.llm_tokens
+
+    vit = VisionTower(vit_cfg, spec.llm.hidden, recompute).to(device=device, dtype=dtype)
+    llm = DecoderLLM(spec.llm, recompute).to(device=device, dtype=dtype)
+    n_vit = sum(p.numel() for p in vit.parameters())
+    n_llm = sum(p.numel() for p in llm.parameters())
+    log.info("model %s: vision %.1fM, llm %.1fM parameters", spec.name, n_vit / 1e6, n_llm / 1e6)
+    gen = torch.Generator(device="cpu").manual_seed(a.seed)
+    grids = item_grids(table, vit_cfg)
+    _check_tokens(table, grids, vit_cfg, costs)
+
+    def vision(rows: np.ndarray):
+        return build_vision_inputs(table, vit_cfg, grids, rows, device, dtype, gen, spec.llm.hidden)
+
+    def inputs(rows_e: np.ndarray, rows_l: np.ndarray) -> MicrobatchInputs:
+        return MicrobatchInputs(
+            vision=vision(rows_e),
+            llm=build_llm_inputs(
+                spec.llm, costs.llm_tokens, costs.vision_tokens, rows_l, device, dtype, gen
+            ),
+        )
+
+    assignments: dict[tuple[str, int], object] = {}
+    for it in range(a.iterations):
+        rows = np.arange(it * a.global_batch, (it + 1) * a.global_batch)
+        for m in methods:
+            asg = assign(
+                enc_cost[rows], llm_cost[rows], tokens[rows], dp=a.dp,
+                microbatches=a.microbatches, max_tokens=a.max_tokens,
+                defer_budget=a.defer_budget, method=m, seed=a.seed, iteration=it,
+            )  # fmt: skip
+            assignments[(m, it)] = (rows, asg)
+
+    timer = _Timer(device)
+    rows0, asg0 = assignments[(methods[0], 0)]
+    for w in range(a.warmup):  # untimed: allocator, kernels, autotuning
+        r, j = divmod(w % (a.dp * a.microbatches), a.microbatches)
+        mb = inputs(rows0[asg0.encoder_sets[r][j]], rows0[asg0.llm_sets[r][j]])
+        _time_microbatch(vit, llm, mb, None, timer)
+
+    per: dict[str, list[dict]] = {m: [] for m in methods}
+    for it in range(a.iterations):
+        for m in methods:  # interleaved per iteration: drift affects every method alike
+            rows, asg = assignments[(m, it)]
+            for r in range(a.dp):
+                for j in range(a.microbatches):
+                    e_rows = rows[asg.encoder_sets[r][j]]
+                    l_rows = rows[asg.llm_sets[r][j]]
+                    mb = inputs(e_rows, l_rows)
+                    arrival = None
+                    if set(e_rows.tolist()) != set(l_rows.tolist()):
+                        arrival = vision(l_rows)
+                    t = _time_microbatch(vit, llm, mb, arrival, timer)
+                    per[m].append({"iteration": it, "replica": r, "microbatch": j,
+                                   "encoder_rows": e_rows.tolist(), "llm_rows": l_rows.tolist(),
+                                   **t})  # fmt: skip
+                    del mb, arrival
+    result = _report(a, spec, table, methods, per, n_vit, n_llm, device)
+    result["wall_seconds"] = time.perf_counter() - t_start
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(result, indent=1))
+    _print_table(result)
+    print(f"wrote {a.out} ({result['wall_seconds']:.1f} s)")
+    return result
+
+
+def _fit(table, spec, module, groups, seconds, phase) -> dict:
+    keep = [i for i, s in enumerate(seconds) if s > 0 and len(groups[i])]
+    if len(keep) < 2:
+        return {"error": "fewer than 2 non-empty measurements"}
+    fit = calibrate(
+        table, spec, module, [groups[i] for i in keep], [seconds[i] for i in keep], phase=phase
+    ).get("llm" if module == "llm" else module)
+    return fit.to_dict()
+
+
+def _report(a, spec, table, methods, per, n_vit, n_llm, device) -> dict:
+    out: dict = {
+        "config": {
+            "device": str(device),
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "torch": torch.__version__,
+            "tiny": a.tiny,
+            "workload": a.workload,
+            "global_batch": a.global_batch,
+            "dp": a.dp,
+            "microbatches": a.microbatches,
+            "iterations": a.iterations,
+            "warmup": a.warmup,
+            "max_tokens": a.max_tokens,
+            "defer_budget": a.defer_budget,
+            "text_scale": a.text_scale,
+            "seed": a.seed,
+            "methods": methods,
+        },  # fmt: skip
+        "model": {"spec": spec.to_dict(), "vision_params": n_vit, "llm_params": n_llm},
+        "methods": {},
+    }
+    for m in methods:
+        rec = per[m]
+        out["methods"][m] = {
+            k: _stats(np.array([x[k] for x in rec])) for k in MEASURES + ("encoder_bwd_arrival",)
+        }
+        out["methods"][m]["microbatches"] = rec
+    if "sequential" in methods:
+        out["std_ratio_vs_sequential"] = {
+            m: {
+                k: out["methods"]["sequential"][k]["std_ms"] / out["methods"][m][k]["std_ms"]
+                if out["methods"][m][k]["std_ms"] > 0
+                else math.inf
+                for k in MEASURES
+            }
+            for m in methods
+            if m != "sequential"
+        }
+    # calibration on every measured microbatch of every method
+    allrec = [x for m in methods for x in per[m]]
+    cal: dict = {}
+    for module, rows_key, f, b in (
+        (spec.encoders[0].name, "encoder_rows", "encoder_fwd", "encoder_bwd"),
+        ("llm", "llm_rows", "llm_fwd", "llm_bwd"),
+    ):
+        groups = [x[rows_key] for x in allrec]
+        cal[module] = {
+            "forward": _fit(table, spec, module, groups, [x[f] for x in allrec], "forward"),
+            "step": _fit(table, spec, module, groups, [x[f] + x[b] for x in allrec], "step"),
+        }
+    out["calibration"] = cal
+    # pipeline simulation: 1 encoder stage + K LLM stages (LLM times split evenly)
+    sim: dict = {}
+    for k in [int(s) for s in a.llm_stages.split(",") if s.strip()]:
+        sim[str(k)] = {}
+        for m in methods:
+            times, ideals = [], []
+            for it in range(a.iterations):
+                fwd = np.zeros((a.dp, a.microbatches, 1 + k))
+                bwd = np.zeros_like(fwd)
+                for x in per[m]:
+                    if x["iteration"] != it:
+                        continue
+                    r, j = x["replica"], x["microbatch"]
+                    fwd[r, j, 0], bwd[r, j, 0] = x["encoder_fwd"], x["encoder_bwd_arrival"]
+                    fwd[r, j, 1:], bwd[r, j, 1:] = x["llm_fwd"] / k, x["llm_bwd"] / k
+                times.append(simulate_pipeline(fwd, bwd, "1f1b").iteration_time)
+                ideals.append(ideal_iteration_time(fwd, bwd, "1f1b"))
+            sim[str(k)][m] = {
+                "iteration_time_s": float(np.mean(times)),
+                "ideal_s": float(np.mean(ideals)),
+            }
+        if "sequential" in methods:
+            base = sim[str(k)]["sequential"]["iteration_time_s"]
+            for m in methods:
+                t = sim[str(k)][m]["iteration_time_s"]
+                sim[str(k)][m]["speedup_vs_sequential"] = base / t if t > 0 else math.inf
+    out["simulation"] = sim
+    return out
+
+
+def _print_table(res: dict) -> None:
+    c = res["config"]
+    print(
+        f"\ntrain_step: {c['workload']} on {c['gpu'] or c['device']}, model "
+        f"{res['model']['spec']['name']} ({res['model']['vision_params'] / 1e6:.1f}M + "
+        f"{res['model']['llm_params'] / 1e6:.1f}M), gb {c['global_batch']}, dp {c['dp']}, "
+        f"{c['microbatches']} microbatches, {c['iterations']} iteration(s)"
+    )
+    hdr = f"{'method':<22}" + "".join(f"{k + ' mean/std ms':>26}" for k in MEASURES)
+    print(hdr)
+    for m, s in res["methods"].items():
+        cells = "".join(f"{s[k]['mean_ms']:>15.2f} /{s[k]['std_ms']:>9.2f}" for k in MEASURES)
+        print(f"{m:<22}{cells}")
+    for m, r in res.get("std_ratio_vs_sequential", {}).items():
+        print(f"std sequential/{m:<11}" + "".join(f"{r[k]:>26.2f}" for k in MEASURES))
+    print("cost-model fit (rel RMS error, R^2):")
+    for mod, d in res["calibration"].items():
+        for phase, f in d.items():
+            txt = f.get("error") or f"rel_rms {f['rel_rms']:.3f}  R^2 {f['r2']:.3f}"
+            print(f"  {mod:<28}{phase:<9}{txt}")
+    print("simulated 1F1B iteration (1 encoder stage + K LLM stages), seconds:")
+    for k, d in res["simulation"].items():
+        cells = "  ".join(
+            f"{m} {v['iteration_time_s']:.4f}"
+            + (f" (x{v['speedup_vs_sequential']:.2f})" if "speedup_vs_sequential" in v else "")
+            for m, v in d.items()
+        )
+        print(f"  K={k}: {cells}")
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    main()
