@@ -1,0 +1,391 @@
+"""Random access to samples: WebDataset tar shards, Parquet tables, a wrapped torch Dataset.
+
+Public API (stable; the worker processes and the CLI call these):
+
+- ``expand_paths(patterns) -> list[str]``: brace patterns (``shard-{000..009}.tar``) and plain paths.
+- ``open_source(path) -> Source``: a :class:`TarShard` (``.tar``, ``.tgz``/``.tar.gz``) or a
+  :class:`ParquetSource` (``.parquet``), chosen by suffix.
+- ``Source.keys() -> list[str]``; ``Source.read(member) -> dict[str, bytes | Any]``: the members
+  of one sample by extension (``{"jpg": b"...", "txt": b"..."}``), optionally only ``exts``.
+- ``SourceCache(max_open)``: the open sources of one worker, opened once and kept (LRU).
+- ``TorchDatasetSource(dataset)``: a user's torch Dataset, samples addressed by integer index.
+
+A WebDataset sample is the group of tar members sharing a key: the member path up to the first
+dot of its basename (``dir/000123.jpg`` -> key ``dir/000123``, extension ``jpg``). A plain tar
+shard is scanned once for its member offset table (tar headers only, no payload read), after which
+a sample costs one seek and one read per member. A gzip'd shard cannot be seeked: it is
+decompressed once, sequentially, on first access and kept in memory (cost: one full decompression
+per worker and the shard's uncompressed size in RAM; prefer plain ``.tar`` for large shards).
+
+Every read error is a :class:`~entrain_data.errors.SampleError` naming the shard and the key.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import logging
+import os
+import re
+import tarfile
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from entrain_data.errors import InvalidInput, SampleError
+
+__all__ = [
+    "Source",
+    "TarShard",
+    "ParquetSource",
+    "TorchDatasetSource",
+    "SourceCache",
+    "MemberRef",
+    "expand_braces",
+    "expand_paths",
+    "open_source",
+    "split_member_name",
+    "TAR_SUFFIXES",
+    "GZIP_TAR_SUFFIXES",
+    "PARQUET_SUFFIXES",
+]
+
+log = logging.getLogger(__name__)
+
+TAR_SUFFIXES = (".tar",)
+GZIP_TAR_SUFFIXES = (".tgz", ".tar.gz")
+PARQUET_SUFFIXES = (".parquet", ".pq")
+
+_BRACE = re.compile(r"\{([^{}]*)\}")
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """Expand ``{a,b}`` alternatives and ``{000..099}`` ranges (zero padding kept), left to right.
+
+    Our own small expansion (webdataset's ``braceexpand`` is an optional dependency); nested
+    braces are expanded from the innermost outwards.
+    """
+    m = _BRACE.search(pattern)
+    if m is None:
+        return [pattern]
+    body = m.group(1)
+    rng = re.fullmatch(r"(-?\d+)\.\.(-?\d+)(?:\.\.(\d+))?", body)
+    if rng:
+        lo, hi = int(rng.group(1)), int(rng.group(2))
+        step = int(rng.group(3) or 1) * (1 if hi >= lo else -1)
+        width = len(rng.group(1)) if rng.group(1).lstrip("-").startswith("0") else 0
+        parts = [str(i).zfill(width) for i in range(lo, hi + step, step)]
+    else:
+        parts = body.split(",")
+    out: list[str] = []
+    for p in parts:
+        out.extend(expand_braces(pattern[: m.start()] + p + pattern[m.end() :]))
+    return out
+
+
+def expand_paths(patterns: str | os.PathLike | Iterable[str | os.PathLike]) -> list[str]:
+    """Brace-expand every pattern; each result must be an existing file (InvalidInput otherwise)."""
+    if isinstance(patterns, (str, os.PathLike)):
+        patterns = [patterns]
+    out: list[str] = []
+    for pat in patterns:
+        for p in expand_braces(os.fspath(pat)):
+            if not os.path.isfile(p):
+                raise InvalidInput(
+                    f"shard or table not found: {p} (from pattern {os.fspath(pat)!r})"
+                )
+            out.append(p)
+    return out
+
+
+def split_member_name(name: str) -> tuple[str, str]:
+    """``dir/000123.seg.jpg`` -> (``dir/000123``, ``seg.jpg``): the WebDataset key convention."""
+    slash = name.rfind("/")
+    dot = name.find(".", slash + 1)
+    if dot < 0:
+        return name, ""
+    return name[:dot], name[dot + 1 :]
+
+
+class Source(Protocol):
+    """What the packer and the index builder need from any source."""
+
+    path: str
+
+    def keys(self) -> list[str]: ...
+
+    def read(self, member: str, exts: Sequence[str] | None = None) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class MemberRef:
+    """Where one tar member's payload lies: byte offset and size inside the (uncompressed) tar."""
+
+    offset: int
+    size: int
+
+
+def _is_gzip_tar(path: str) -> bool:
+    return path.endswith(GZIP_TAR_SUFFIXES)
+
+
+class TarShard:
+    """Random access into one WebDataset tar shard by sample key (member offset table, seek+read)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        self._data: bytes | None = None  # decompressed gzip shard
+        self._fh: io.BufferedReader | None = None
+        self._lock = threading.Lock()
+        self.samples: dict[str, dict[str, MemberRef]] = {}
+        self.truncated = False
+        self._scan()
+
+    def _open_stream(self) -> io.BufferedIOBase:
+        if _is_gzip_tar(self.path):
+            if self._data is None:
+                try:
+                    with gzip.open(self.path, "rb") as gz:
+                        self._data = gz.read()
+                except (OSError, EOFError) as exc:
+                    raise SampleError(
+                        f"{self.path}: gzip stream is corrupt or truncated ({exc})",
+                        source=self.path,
+                    ) from exc
+            return io.BytesIO(self._data)
+        if self._fh is None:
+            try:
+                self._fh = open(self.path, "rb")  # noqa: SIM115 - kept open for seeks
+            except OSError as exc:
+                raise SampleError(
+                    f"{self.path}: cannot open shard ({exc})", source=self.path
+                ) from exc
+        return self._fh
+
+    def _scan(self) -> None:
+        """Read the tar headers once: key -> extension -> (offset, size).
+
+        A shard cut short (truncated download) keeps the members that are complete; the last,
+        incomplete one is left out and :attr:`truncated` is set, so reading that sample names it.
+        """
+        fh = self._open_stream()
+        fh.seek(0)
+        end = fh.seek(0, io.SEEK_END)
+        fh.seek(0)
+        last_key = None
+        try:
+            with tarfile.open(fileobj=fh, mode="r:") as tar:
+                for info in tar:
+                    if not info.isfile():
+                        continue
+                    key, ext = split_member_name(info.name)
+                    if not ext:
+                        continue
+                    last_key = key
+                    if info.offset_data + info.size > end:
+                        self.truncated = True
+                        self.samples.setdefault(key, {})
+                        break
+                    self.samples.setdefault(key, {})[ext] = MemberRef(info.offset_data, info.size)
+        except tarfile.ReadError as exc:
+            if not self.samples:
+                raise SampleError(
+                    f"{self.path}: not a readable tar shard ({exc})", source=self.path
+                ) from exc
+            self.truncated = True
+        if self.truncated:
+            log.warning("%s: shard is truncated (last sample %r incomplete)", self.path, last_key)
+            self._incomplete = last_key
+        else:
+            self._incomplete = None
+
+    def keys(self) -> list[str]:
+        """Sample keys in shard order."""
+        return list(self.samples)
+
+    def members(self, key: str) -> dict[str, MemberRef]:
+        """Extensions of one sample and where their payloads lie."""
+        try:
+            return self.samples[key]
+        except KeyError:
+            raise SampleError(
+                f"{self.path}: no sample with key {key!r} in this shard", source=self.path, key=key
+            ) from None
+
+    def read(self, member: str, exts: Sequence[str] | None = None) -> dict[str, bytes]:
+        """Payloads of sample ``member`` by extension (only ``exts`` when given)."""
+        refs = self.members(member)
+        if self.truncated and member == self._incomplete:
+            raise SampleError(
+                f"{self.path}: sample {member!r} is cut off (truncated shard)",
+                source=self.path,
+                key=member,
+            )
+        out: dict[str, bytes] = {}
+        with self._lock:
+            fh = self._open_stream()
+            for ext, ref in refs.items():
+                if exts is not None and ext not in exts:
+                    continue
+                fh.seek(ref.offset)
+                data = fh.read(ref.size)
+                if len(data) != ref.size:
+                    raise SampleError(
+                        f"{self.path}: sample {member!r} member .{ext} is truncated "
+                        f"({len(data)} of {ref.size} bytes)",
+                        source=self.path,
+                        key=member,
+                    )
+                out[ext] = data
+        return out
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+        self._data = None
+
+
+class ParquetSource:
+    """Row access into a Parquet table through its row groups (one row group decoded per miss).
+
+    ``member`` is the row number as a string (``"17"``) or an int; ``read`` returns the row's
+    columns as Python values (``bytes`` for binary columns).
+    """
+
+    def __init__(self, path: str | os.PathLike, columns: Sequence[str] | None = None) -> None:
+        self.path = os.fspath(path)
+        try:
+            self._file = pq.ParquetFile(self.path)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise SampleError(
+                f"{self.path}: not a readable Parquet table ({exc})", source=self.path
+            ) from exc
+        meta = self._file.metadata
+        self.num_rows = meta.num_rows
+        self._starts = [0]
+        for g in range(meta.num_row_groups):
+            self._starts.append(self._starts[-1] + meta.row_group(g).num_rows)
+        self.columns = list(columns) if columns is not None else None
+        self._cached: tuple[int, pa.Table] | None = None
+
+    def keys(self) -> list[str]:
+        return [str(i) for i in range(self.num_rows)]
+
+    def _group(self, row: int) -> tuple[int, int]:
+        import bisect
+
+        g = bisect.bisect_right(self._starts, row) - 1
+        return g, row - self._starts[g]
+
+    def read(self, member: str | int, exts: Sequence[str] | None = None) -> dict[str, Any]:
+        try:
+            row = int(member)
+        except (TypeError, ValueError):
+            raise SampleError(
+                f"{self.path}: row {member!r} is not an integer", source=self.path, key=str(member)
+            ) from None
+        if not 0 <= row < self.num_rows:
+            raise SampleError(
+                f"{self.path}: row {row} out of range ({self.num_rows} rows)",
+                source=self.path,
+                key=str(row),
+            )
+        g, within = self._group(row)
+        if self._cached is None or self._cached[0] != g:
+            cols = list(exts) if exts is not None else self.columns
+            try:
+                self._cached = (g, self._file.read_row_group(g, columns=cols))
+            except (pa.ArrowInvalid, OSError, KeyError) as exc:
+                raise SampleError(
+                    f"{self.path}: row group {g} unreadable ({exc})", source=self.path, key=str(row)
+                ) from exc
+        table = self._cached[1]
+        names = [c for c in table.column_names if exts is None or c in exts]
+        return {c: table.column(c)[within].as_py() for c in names}
+
+    def close(self) -> None:
+        self._cached = None
+
+
+class TorchDatasetSource:
+    """A user's map-style torch Dataset as a source: samples addressed by integer index.
+
+    ``read(i)`` returns ``{"sample": dataset[i]}``; ``cost_fn(sample) -> SampleMeta-like sizes`` is
+    the user's business (see :func:`entrain_data.workers.index_builder.index_torch_dataset`).
+    Errors raised by the dataset become :class:`SampleError` naming the dataset and index.
+    """
+
+    def __init__(self, dataset: Any, name: str | None = None) -> None:
+        if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+            raise InvalidInput(
+                "TorchDatasetSource needs a map-style dataset (__getitem__ and __len__)"
+            )
+        self.dataset = dataset
+        self.path = name or f"<{type(dataset).__name__}>"
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def keys(self) -> list[str]:
+        return [str(i) for i in range(len(self.dataset))]
+
+    def read(self, member: str | int, exts: Sequence[str] | None = None) -> dict[str, Any]:
+        idx = int(member)
+        try:
+            return {"sample": self.dataset[idx]}
+        except Exception as exc:
+            raise SampleError(
+                f"{self.path}: dataset[{idx}] failed ({type(exc).__name__}: {exc})",
+                source=self.path,
+                key=str(idx),
+            ) from exc
+
+    def close(self) -> None:
+        pass
+
+
+def open_source(path: str | os.PathLike, **options: Any) -> Source:
+    """Open a shard or table by suffix; raises InvalidInput for an unknown kind."""
+    p = os.fspath(path)
+    if p.endswith(TAR_SUFFIXES + GZIP_TAR_SUFFIXES):
+        return TarShard(p)
+    if p.endswith(PARQUET_SUFFIXES):
+        return ParquetSource(p, **options)
+    raise InvalidInput(f"{p}: unknown source kind (expected .tar, .tgz, .tar.gz or .parquet)")
+
+
+class SourceCache:
+    """One worker's open sources, opened on first use and kept (least recently used closed first)."""
+
+    def __init__(self, max_open: int = 64, opener: Callable[[str], Source] = open_source) -> None:
+        self.max_open = max_open
+        self._opener = opener
+        self._open: OrderedDict[str, Source] = OrderedDict()
+
+    def get(self, path: str) -> Source:
+        src = self._open.get(path)
+        if src is not None:
+            self._open.move_to_end(path)
+            return src
+        src = self._opener(path)
+        self._open[path] = src
+        while len(self._open) > self.max_open:
+            _, old = self._open.popitem(last=False)
+            old.close()
+        return src
+
+    def read(self, path: str, member: str, exts: Sequence[str] | None = None) -> dict[str, Any]:
+        return self.get(path).read(member, exts)
+
+    def close(self) -> None:
+        for src in self._open.values():
+            src.close()
+        self._open.clear()
