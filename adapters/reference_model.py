@@ -42,6 +42,8 @@ __all__ = [
     "SyntheticSample",
     "synthetic_samples",
     "pack_microbatch",
+    "packed_causal_mask",
+    "encode_into_buffer",
 ]
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,11 @@ def _block_mask(
     if causal:
         mask = mask.tril()
     return mask
+
+
+def packed_causal_mask(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Block-diagonal causal mask [T, T] of a packed sequence (one causal block per sample)."""
+    return _block_mask(torch.diff(cu_seqlens.long()), causal=True, device=cu_seqlens.device)
 
 
 class _Block(nn.Module):

@@ -1,0 +1,310 @@
+"""DeepSpeed: config from the plan, balanced microbatches fed to its engines (built against 0.19.8).
+
+What a user adds to a DeepSpeed script::
+
+    config = deepspeed_config(plan, user_config)          # micro batch, accumulation, dp
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    for mbs in group_iterations(loader):
+        train_step(engine, mbs)                           # plain engine, ZeRO 0-3
+
+    # or, pipeline-parallel:
+    feeder = PipelineFeeder(model)                        # reference-model pipe layers
+    net = PlannedPipelineModule(feeder.layers(), plan=plan, loss_fn=feeder.loss_fn,
+                                dynamic_shape=True)
+    engine, *_ = deepspeed.initialize(model=net, optimizer=opt, config=config)
+    for mbs in group_iterations(loader):
+        feeder.train_batch(engine, mbs)
+
+Loss: DeepSpeed divides each microbatch's loss by ``gradient_accumulation_steps``
+and averages gradients over data-parallel ranks; the adapter multiplies each
+microbatch's ``loss_sum`` by ``dp * gas / global_count`` (see :mod:`.common`), so
+the step is the global batch's per-token (or per-sample) mean.
+
+Pipelines: balanced microbatches change shape from one microbatch to the next.
+``PipelineModule(dynamic_shape=False)`` exchanges activation shapes once; a
+larger later microbatch then crashes in gloo and a smaller one silently reads
+a stale buffer, so :func:`check_pipeline_engine` refuses it.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..batch import Microbatch
+from ..errors import InvalidInput, PlanError
+from .common import EncoderOutputBuffer, global_loss_count, loss_scale, loss_sums
+from .reference_model import ReferenceMLLM, encode_into_buffer, packed_causal_mask
+
+__all__ = [
+    "avoid_cpu_op_builds",
+    "deepspeed_config",
+    "pipeline_parts",
+    "PlannedPipelineModule",
+    "check_pipeline_engine",
+    "train_step",
+    "PipelineFeeder",
+]
+
+log = logging.getLogger(__name__)
+
+
+def avoid_cpu_op_builds() -> None:
+    """On CPU, stop DeepSpeed from compiling its shared-memory comm op at init (a one-time C++
+    build of minutes); torch.distributed's gloo collectives are used instead. Call before
+    ``deepspeed.init_distributed`` / ``deepspeed.initialize``."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def _stage_layers(plan: Any) -> list[tuple[int, int]]:
+    """LLM layer range of every pipeline stage (encoder segments ride on their stage)."""
+    ranges = []
+    for stage in plan.stages:
+        llm = [s for s in stage.segments if s.encoder_index is None]
+        if llm:
+            ranges.append((llm[0].layer_start, llm[-1].layer_end))
+        else:
+            ranges.append(None)
+    if any(r is None for r in ranges):
+        raise PlanError(
+            "deepspeed adapter: a pipeline stage holds no LLM layers; DeepSpeed's PipelineModule "
+            "is one layer sequence, so place the encoders on the first LLM stage (plan a "
+            "'mixed' first stage) or use the Megatron adapter"
+        )
+    return ranges
+
+
+def pipeline_parts(plan: Any, first_extra: int = 1, last_extra: int = 1) -> list[int]:
+    """PipelineModule ``parts`` (stage boundaries in its layer list) from the plan's layer ranges.
+
+    The layer list is ``first_extra`` input layers (encoders + embedding), the
+    LLM blocks, then ``last_extra`` output layers (norm + head).
+    """
+    ranges = _stage_layers(plan)
+    if ranges[0][0] != 0 or any(a[1] != b[0] for a, b in zip(ranges, ranges[1:])):
+        raise PlanError(f"deepspeed adapter: stage layer ranges {ranges} are not contiguous")
+    parts = [0] + [first_extra + end for _, end in ranges]
+    parts[-1] += last_extra
+    return parts
+
+
+def deepspeed_config(plan: Any, user_config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The user's DeepSpeed config with the plan's batch geometry merged in.
+
+    ``gradient_accumulation_steps`` = microbatches per replica per iteration;
+    ``train_micro_batch_size_per_gpu`` = the mean samples per microbatch (a
+    nominal figure: balanced microbatches vary in size, DeepSpeed only uses it
+    for bookkeeping); ``train_batch_size`` consistent with both and ``dp``.
+    Conflicting user values are an error naming the key.
+    """
+    cfg = copy.deepcopy(dict(user_config or {}))
+    micro = max(1, plan.global_batch // (plan.dp * plan.microbatches))
+    wanted = {
+        "gradient_accumulation_steps": plan.microbatches,
+        "train_micro_batch_size_per_gpu": micro,
+        "train_batch_size": micro * plan.microbatches * plan.dp,
+    }
+    for key, value in wanted.items():
+        if key in cfg and cfg[key] != value:
+            raise InvalidInput(
+                f"deepspeed config: {key}={cfg[key]} conflicts with the plan ({value}); "
+                "drop it from the config, the plan sets it"
+            )
+        cfg[key] = value
+    return cfg
+
+
+class PlannedPipelineModule:
+    """A DeepSpeed ``PipelineModule`` split at the plan's stage boundaries (``parts``).
+
+    DeepSpeed 0.19.8 partitions only by ``uniform``/``parameters``/``type:``;
+    the plan's layer ranges are set as ``parts`` directly. Built lazily so that
+    importing this module does not import DeepSpeed.
+    """
+
+    def __new__(cls, layers: Sequence[nn.Module], *, plan: Any, **kwargs: Any) -> Any:
+        from deepspeed.pipe import PipelineModule
+
+        parts = pipeline_parts(plan)
+        if parts[-1] != len(layers):
+            raise PlanError(
+                f"deepspeed adapter: the plan's stages cover {parts[-1]} pipeline layers "
+                f"but the model has {len(layers)}"
+            )
+
+        class _Planned(PipelineModule):
+            def _partition_layers(self, method: str = "uniform") -> None:
+                stage = self._topo.get_coord(self.global_rank).pipe
+                self.parts = list(parts)
+                self._set_bounds(start=parts[stage], stop=parts[stage + 1])
+
+        return _Planned(layers=list(layers), num_stages=plan.pp, **kwargs)
+
+
+def check_pipeline_engine(engine: Any) -> None:
+    """Refuse a pipeline engine whose module was built with ``dynamic_shape=False``."""
+    if not getattr(engine.module, "dynamic_shape", False):
+        raise InvalidInput(
+            "deepspeed PipelineModule(dynamic_shape=False) cannot take balanced microbatches: "
+            "their shapes vary, and with fixed shapes a larger microbatch crashes the "
+            "send/recv while a smaller one silently reads a stale buffer. Build the "
+            "PipelineModule with dynamic_shape=True"
+        )
+
+
+def _dp_group(engine: Any) -> Any:
+    grid = getattr(engine, "grid", None)
+    if grid is not None:
+        return grid.get_data_parallel_group()
+    import deepspeed.comm  # noqa: F401  (DeepSpeed's default group is torch's)
+
+    return getattr(engine, "seq_data_parallel_group", None) or getattr(
+        engine, "data_parallel_group", None
+    )
+
+
+def train_step(
+    engine: Any,
+    microbatches: Sequence[Microbatch],
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+    *,
+    mode: str = "token",
+    buffer: EncoderOutputBuffer | None = None,
+) -> float:
+    """One iteration on a plain DeepSpeed engine (ZeRO 0-3): forward, backward, step per
+    microbatch; returns the global-batch mean loss. ``forward(engine, mb, buffer)`` defaults
+    to ``engine(mb, buffer, mode=mode)``."""
+    gas = engine.gradient_accumulation_steps()
+    if len(microbatches) != gas:
+        raise InvalidInput(
+            f"deepspeed train_step: {len(microbatches)} microbatches but the engine's "
+            f"gradient_accumulation_steps is {gas}; build the config with deepspeed_config(plan)"
+        )
+    buffer = buffer if buffer is not None else EncoderOutputBuffer()
+    group = _dp_group(engine)
+    dp = engine.dp_world_size
+    count = global_loss_count(microbatches, mode, group, engine.device)
+    scale = loss_scale(count, dp=dp, accumulation=gas)
+    total = torch.zeros((), dtype=torch.float64)
+    for mb in microbatches:
+        mb = mb.to(engine.device)
+        if forward is None:
+            loss_sum, _ = engine(mb, buffer, mode=mode)
+        else:
+            loss_sum, _ = forward(engine, mb, buffer)
+        engine.backward(loss_sum * scale)
+        engine.step()
+        total += loss_sum.detach().double().cpu()
+    buffer.check_drained(microbatches[0].iteration)
+    if dp > 1:
+        torch.distributed.all_reduce(total, group=group)
+    return float(total) / count
+
+
+# ------------------------------------------------------------- pipeline feeding
+class _InputLayer(nn.Module):
+    """First pipe layer: encoders + embedding of microbatch ``index`` (taken from the feeder)."""
+
+    def __init__(self, model: ReferenceMLLM, feeder: PipelineFeeder):
+        super().__init__()
+        self.vision, self.audio, self.tok_embed = model.vision, model.audio, model.tok_embed
+        self._model = [model]  # not a submodule: its parameters are owned by the layers
+        self._feeder = [feeder]
+
+    def forward(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        model, feeder = self._model[0], self._feeder[0]
+        mb = feeder.current[int(index)]
+        encoded = encode_into_buffer(model, mb, feeder.buffer)
+        x = model.embed(mb, encoded) + model.dummy_touch()
+        return x, mb["cu_seqlens"].long()
+
+
+class _BlockLayer(nn.Module):
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(
+        self, inputs: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, cu = inputs
+        return self.block(x, packed_causal_mask(cu)), cu
+
+
+class _HeadLayer(nn.Module):
+    def __init__(self, model: ReferenceMLLM):
+        super().__init__()
+        self.norm, self.lm_head = model.norm, model.lm_head
+
+    def forward(
+        self, inputs: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, cu = inputs
+        return self.lm_head(self.norm(x)), cu
+
+
+class PipelineFeeder:
+    """Feeds one iteration's balanced microbatches to a DeepSpeed ``PipelineEngine``.
+
+    ``layers()`` cuts the reference model into pipe layers: [encoders +
+    embedding, LLM blocks..., norm + head]; the first stage reads the real
+    :class:`Microbatch` (keys, pixels, audio) from this feeder by index, so
+    deferred samples' encoder outputs stay in its buffer on that stage. The
+    last stage's ``loss_fn`` returns ``loss_sum * dp * gas / global_count``.
+    """
+
+    def __init__(self, model: ReferenceMLLM, mode: str = "token", budget: int | None = None):
+        self.model, self.mode = model, mode
+        self.buffer = EncoderOutputBuffer(budget)
+        self.current: list[Microbatch] = []
+        self.scale = 0.0
+        self.loss_sum = torch.zeros((), dtype=torch.float64)
+
+    def layers(self) -> list[nn.Module]:
+        m = self.model
+        return [_InputLayer(m, self), *(_BlockLayer(b) for b in m.layers), _HeadLayer(m)]
+
+    def loss_fn(
+        self, outputs: tuple[torch.Tensor, torch.Tensor], labels: tuple[torch.Tensor, ...]
+    ) -> torch.Tensor:
+        logits, cu = outputs
+        loss_sum, _ = loss_sums(logits, labels[0], labels[1], self.mode)
+        self.loss_sum += loss_sum.detach().double().cpu()
+        return loss_sum * self.scale
+
+    def _data(self, microbatches: Sequence[Microbatch]) -> Iterator[tuple]:
+        for j, mb in enumerate(microbatches):
+            yield torch.tensor(j), (mb["labels"], mb["cu_seqlens"].long())
+
+    def train_batch(self, engine: Any, microbatches: Sequence[Microbatch]) -> float:
+        """One iteration through ``engine.train_batch``; returns the global-batch mean loss
+        (on the last stage; other stages return NaN)."""
+        check_pipeline_engine(engine)
+        gas = engine.gradient_accumulation_steps()
+        if len(microbatches) != gas:
+            raise InvalidInput(
+                f"deepspeed pipeline: {len(microbatches)} microbatches but "
+                f"gradient_accumulation_steps is {gas}"
+            )
+        group = engine.grid.get_data_parallel_group()
+        dp = engine.grid.get_data_parallel_world_size()
+        count = global_loss_count(microbatches, self.mode, group)
+        self.scale = loss_scale(count, dp=dp, accumulation=gas)
+        self.current = [mb.to(engine.device) for mb in microbatches]
+        self.loss_sum.zero_()
+        engine.train_batch(data_iter=self._data(self.current))
+        if engine.is_first_stage():
+            self.buffer.check_drained(microbatches[0].iteration)
+        self.current = []
+        if not engine.is_last_stage():
+            return float("nan")
+        if dp > 1:
+            torch.distributed.all_reduce(self.loss_sum, group=group)
+        return float(self.loss_sum) / count
