@@ -45,7 +45,7 @@ from _train_step_model import (  # noqa: E402
 from entrain_data.assignment import assign  # noqa: E402
 from entrain_data.cost_model import ModelSpec, calibrate, load_module, per_sample_costs  # noqa: E402
 from entrain_data.metadata import SampleTable  # noqa: E402
-from entrain_data.simulator import ideal_iteration_time, simulate_pipeline  # noqa: E402
+from entrain_data.simulator import ideal_iteration_time, lower_bound, simulate_pipeline  # noqa: E402
 from entrain_data.workloads import synthesize  # noqa: E402
 
 __all__ = ["main", "bench_spec"]
@@ -344,7 +344,7 @@ def _report(a, spec, table, methods, per, n_vit, n_llm, device) -> dict:
     for k in [int(s) for s in a.llm_stages.split(",") if s.strip()]:
         sim[str(k)] = {}
         for m in methods:
-            times, ideals = [], []
+            times, ideals, bounds = [], [], []
             for it in range(a.iterations):
                 fwd = np.zeros((a.dp, a.microbatches, 1 + k))
                 bwd = np.zeros_like(fwd)
@@ -356,9 +356,11 @@ def _report(a, spec, table, methods, per, n_vit, n_llm, device) -> dict:
                     fwd[r, j, 1:], bwd[r, j, 1:] = x["llm_fwd"] / k, x["llm_bwd"] / k
                 times.append(simulate_pipeline(fwd, bwd, "1f1b").iteration_time)
                 ideals.append(ideal_iteration_time(fwd, bwd, "1f1b"))
+                bounds.append(lower_bound(fwd, bwd))
             sim[str(k)][m] = {
                 "iteration_time_s": float(np.mean(times)),
                 "ideal_s": float(np.mean(ideals)),
+                "lower_bound_s": float(np.mean(bounds)),
             }
         if "sequential" in methods:
             base = sim[str(k)]["sequential"]["iteration_time_s"]

@@ -1,0 +1,159 @@
+"""bench/train_step.py keeps working on CPU (tiny model), and its model attends per segment."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from entrain_data.cost_model import per_sample_costs
+from entrain_data.tokens import _window_sumsq
+from entrain_data.workloads import synthesize
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(name, mod)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+train_step = _load("train_step")
+model = sys.modules["_train_step_model"]
+
+
+def _finite_stats(s: dict) -> None:
+    assert math.isfinite(s["mean_ms"]) and s["mean_ms"] > 0
+    assert math.isfinite(s["std_ms"]) and s["std_ms"] >= 0
+
+
+@pytest.mark.timeout(180)
+def test_tiny_cpu_run_writes_sensible_json(tmp_path):
+    out = tmp_path / "ts.json"
+    res = train_step.main(["--device", "cpu", "--tiny", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert data["config"]["device"] == "cpu" and data["config"]["tiny"]
+    c = data["config"]
+    n_mb = c["dp"] * c["microbatches"] * c["iterations"]
+    gb = c["global_batch"]
+    for m in ("sequential", "entrain"):
+        s = data["methods"][m]
+        for k in ("encoder_fwd", "encoder_bwd", "llm_fwd", "llm_bwd"):
+            _finite_stats(s[k])
+        mbs = s["microbatches"]
+        assert len(mbs) == n_mb
+        for it in range(c["iterations"]):
+            rows = range(it * gb, (it + 1) * gb)
+            for key in ("encoder_rows", "llm_rows"):  # every sample once per iteration
+                got = sorted(r for x in mbs if x["iteration"] == it for r in x[key])
+                assert got == list(rows)
+    for m, r in data["std_ratio_vs_sequential"].items():
+        assert all(v > 0 for v in r.values()), m
+    for mod, fits in data["calibration"].items():
+        for phase in ("forward", "step"):
+            f = fits[phase]
+            assert math.isfinite(f["rel_rms"]) and f["rel_rms"] >= 0, (mod, phase)
+            assert f["r2"] <= 1.0 and f["n"] >= 2
+            assert min(f["linear"], f["quadratic"], f["constant"]) >= 0
+    for k, sims in data["simulation"].items():
+        for m, v in sims.items():
+            assert v["iteration_time_s"] > 0 and v["ideal_s"] > 0, (k, m)
+            # no pipeline beats its busiest stage's work
+            assert v["iteration_time_s"] >= v["lower_bound_s"] * (1 - 1e-9), (k, m)
+        assert sims["sequential"]["speedup_vs_sequential"] == pytest.approx(1.0)
+    assert res["simulation"] == data["simulation"]
+
+
+def test_varlen_attention_matches_per_segment_reference():
+    g = torch.Generator().manual_seed(0)
+    lengths = [3, 5, 3, 0, 7, 5, 1]
+    t = sum(lengths)
+    q = torch.randn(t, 4, 8, generator=g)
+    k = torch.randn(t, 2, 8, generator=g)
+    v = torch.randn(t, 2, 8, generator=g)
+    plan = model.SegmentPlan.build(lengths, torch.device("cpu"))
+    for causal in (False, True):
+        got = model.varlen_attention(q, k, v, plan, causal)
+        ref, s = [], 0
+        for n in lengths:
+            if n:
+                qq = q[s : s + n].transpose(0, 1)
+                kk = k[s : s + n].repeat_interleave(2, dim=1).transpose(0, 1)
+                vv = v[s : s + n].repeat_interleave(2, dim=1).transpose(0, 1)
+                ref.append(
+                    F.scaled_dot_product_attention(qq, kk, vv, is_causal=causal).transpose(0, 1)
+                )
+            s += n
+        torch.testing.assert_close(got, torch.cat(ref))
+
+
+def test_model_token_counts_match_cost_model():
+    spec = train_step.bench_spec(tiny=True, vision_layers=None, llm_layers=None)
+    cfg = spec.encoders[0]
+    table = synthesize("qwen2vl-dynamic", 64, seed=3)
+    costs = per_sample_costs(table, spec)
+    grids = model.item_grids(table, cfg)
+    train_step._check_tokens(table, grids, cfg, costs)  # raises on a mismatch
+    for _, gh, gw in grids:  # windows tile the grid, with the cost model's sum of squares
+        w = model.window_lengths(int(gh), int(gw), cfg)
+        assert sum(w) == gh * gw
+        m = cfg.merge
+        want = _window_sumsq(np.array([gh // m]), np.array([gw // m]), cfg.window_patches // m)
+        assert sum(x * x for x in w) == pytest.approx(float(want[0]) * m**4)
+
+
+def test_vision_and_llm_inputs_have_the_packed_shapes():
+    spec = train_step.bench_spec(tiny=True, vision_layers=None, llm_layers=None)
+    cfg = spec.encoders[0]
+    table = synthesize("qwen2vl-dynamic", 8, seed=1)
+    costs = per_sample_costs(table, spec)
+    grids = model.item_grids(table, cfg)
+    rows = np.array([0, 3, 5])
+    dev, g = torch.device("cpu"), torch.Generator().manual_seed(0)
+    vi = model.build_vision_inputs(table, cfg, grids, rows, dev, torch.float32, g, spec.llm.hidden)
+    assert vi.patches.shape[0] == int(costs.encoder_tokens[rows, 0].sum())
+    vit = model.VisionTower(cfg, spec.llm.hidden)
+    assert vit(vi.patches, vi.full, vi.windows).shape == vi.grad_out.shape
+    li = model.build_llm_inputs(
+        spec.llm, costs.llm_tokens, costs.vision_tokens, rows, dev, torch.float32, g
+    )
+    assert li.input_ids.numel() == int(costs.llm_tokens[rows].sum())
+    assert int(li.media_mask.sum()) == int(costs.vision_tokens[rows].sum())
+    llm = model.DecoderLLM(spec.llm)
+    loss = llm(li.input_ids, li.labels, li.media, li.media_mask, li.plan)
+    loss.backward()
+    assert torch.isfinite(loss) and li.media.grad is not None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tiny_cpu_command_line(tmp_path):
+    out = tmp_path / "cli.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "train_step.py"),
+            "--device",
+            "cpu",
+            "--tiny",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "std sequential/entrain" in proc.stdout
+    assert json.loads(out.read_text())["methods"]["entrain"]["llm_fwd"]["mean_ms"] > 0
