@@ -96,6 +96,29 @@ class StagePlan:
         kinds = {s.kind for s in self.segments}
         return kinds.pop() if len(kinds) == 1 else "mixed"
 
+    # The contract's single-module view (README: StagePlan). A stage that holds
+    # several modules (encoders riding on the first LLM stage) reports its first
+    # segment here; ``segments`` lists them all.
+    @property
+    def encoder_index(self) -> int | None:
+        return self.segments[0].encoder_index
+
+    @property
+    def layer_start(self) -> int:
+        return self.segments[0].layer_start
+
+    @property
+    def layer_end(self) -> int:
+        return self.segments[0].layer_end
+
+    @property
+    def first(self) -> bool:
+        return self.segments[0].first
+
+    @property
+    def last(self) -> bool:
+        return self.segments[0].last
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "index": self.index,

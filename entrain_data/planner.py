@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -42,18 +42,37 @@ from .cost_model import SampleCosts, per_sample_costs
 from .errors import InvalidInput, PlanError
 from .metadata import SampleTable
 from .plan import Cluster, ParallelPlan, StagePlan, StageSegment
+from .plan_layout import layer_units, memory_gb, stage_params, stages_for
 from .presets import ModelSpec
-from .simulator import simulate_pipeline, stage_times
+from .profiler import MacroProfile
+from .simulator import (
+    SCHEDULES,
+    ideal_iteration_time,
+    set_loads,
+    simulate_pipeline,
+    stage_sample_costs,
+    times_from_sample_costs,
+)
 
-__all__ = ["make_plan", "Candidate", "TP_EFFICIENCY", "MEMORY_HEADROOM"]
+__all__ = [
+    "make_plan",
+    "Candidate",
+    "Cluster",
+    "StagePlan",
+    "StageSegment",
+    "ParallelPlan",
+    "PlanError",
+    "TP_EFFICIENCY",
+    "MEMORY_HEADROOM",
+]
 
 log = logging.getLogger(__name__)
 
 TP_EFFICIENCY = 0.9  # compute efficiency kept per doubling of tensor parallelism
 MEMORY_HEADROOM = 0.9  # share of GPU memory the plan may use
-ACT_BYTES_PER_TOKEN_LAYER = 34.0  # x hidden / tp
 RECOMPUTE_SLOWDOWN = 4.0 / 3.0  # full recomputation repeats the forward (f + 2f -> 2f + 2f)
 OVERHEAD_PER_MICROBATCH = 2e-4  # seconds of launch/scheduling per stage per microbatch
+MAX_STAGES = 32  # deepest pipeline searched
 
 
 @dataclass(frozen=True)
@@ -68,161 +87,11 @@ class Candidate:
     memory_gb: tuple[float, ...]
     analytic_time: float
     recompute: bool = False
+    encoder_stages: int = 0  # pure encoder stages in front of the LLM's (0: encoders share one)
 
 
 def _tp_speedup(tp: int) -> float:
     return tp * TP_EFFICIENCY ** math.log2(tp)
-
-
-def _units(model: ModelSpec, costs: SampleCosts, batches: np.ndarray):
-    """The model as a chain of layer units: (encoder index or None, layer, mean cost per batch)."""
-    out = []
-    for e, enc in enumerate(model.encoders):
-        for layer in range(enc.layers):
-            f, b = costs.stage_cost(e, layer, layer + 1, layer == 0, layer == enc.layers - 1)
-            out.append((e, layer, float((f + b)[batches].sum(axis=1).mean())))
-    n = model.llm.layers
-    for layer in range(n):
-        f, b = costs.stage_cost(None, layer, layer + 1, layer == 0, layer == n - 1)
-        out.append((None, layer, float((f + b)[batches].sum(axis=1).mean())))
-    return out
-
-
-def _split(costs: list[float], k: int) -> list[int] | None:
-    """Cut a chain into ``k`` non-empty contiguous groups minimising the largest sum (boundaries)."""
-    n = len(costs)
-    if k > n or k < 1:
-        return None
-    c = np.asarray(costs)
-    prefix = np.concatenate([[0.0], np.cumsum(c)])
-
-    def cuts_for(limit: float) -> list[int] | None:
-        cuts, start = [], 0
-        while start < n:
-            end = int(np.searchsorted(prefix, prefix[start] + limit, side="right")) - 1
-            end = max(end, start + 1)
-            cuts.append(end)
-            start = end
-        return cuts if len(cuts) <= k else None
-
-    lo, hi = float(c.max()), float(c.sum())
-    for _ in range(50):
-        mid = (lo + hi) / 2
-        if cuts_for(mid) is None:
-            lo = mid
-        else:
-            hi = mid
-    cuts = cuts_for(hi * (1 + 1e-9)) or [n]
-    while len(cuts) < k:  # split the largest group that has more than one unit
-        bounds = [0] + cuts
-        sizes = [(prefix[b] - prefix[a], a, b) for a, b in zip(bounds, bounds[1:]) if b - a > 1]
-        _, a, b = max(sizes)
-        mid = a + (b - a) // 2
-        cuts = sorted(cuts + [mid])
-    return cuts
-
-
-def _stages_for(model: ModelSpec, units, pp: int, enc_stages: int) -> tuple[StagePlan, ...] | None:
-    """Stages with ``enc_stages`` pure encoder stages (0: encoders share the first LLM stage)."""
-    n_enc = sum(m.layers for m in model.encoders)
-    enc_units, llm_units = units[:n_enc], units[n_enc:]
-    groups: list[list[tuple]] = []
-    if enc_stages:
-        cuts = _split([u[2] for u in enc_units], enc_stages)
-        if cuts is None:
-            return None
-        start = 0
-        for c in cuts:
-            groups.append(enc_units[start:c])
-            start = c
-        llm_cuts = _split([u[2] for u in llm_units], pp - enc_stages)
-        if llm_cuts is None:
-            return None
-        start = 0
-        for c in llm_cuts:
-            groups.append(llm_units[start:c])
-            start = c
-    else:
-        # encoders ride on the first stage: treat them as weight in front of the LLM chain
-        head = sum(u[2] for u in enc_units)
-        costs = [u[2] for u in llm_units]
-        costs[0] += head
-        llm_cuts = _split(costs, pp)
-        if llm_cuts is None:
-            return None
-        start = 0
-        for i, c in enumerate(llm_cuts):
-            groups.append((enc_units if i == 0 else []) + llm_units[start:c])
-            start = c
-    stages = []
-    for s, g in enumerate(groups):
-        segs = []
-        for key in dict.fromkeys(u[0] if u[0] is not None else -1 for u in g):
-            e = None if key == -1 else key
-            layers = [u[1] for u in g if (u[0] if u[0] is not None else -1) == key]
-            mod = model.llm if e is None else model.encoders[e]
-            name = "llm" if e is None else mod.name
-            a, b = min(layers), max(layers) + 1
-            segs.append(StageSegment(name, e, a, b, a == 0, b == mod.layers))
-        stages.append(StagePlan(s, tuple(segs), float(sum(u[2] for u in g))))
-    return tuple(stages)
-
-
-def _stage_params(model: ModelSpec, st: StagePlan) -> tuple[float, float]:
-    """(trainable, frozen) parameters held by a stage."""
-    train = frozen = 0.0
-    for seg in st.segments:
-        mod = model.llm if seg.encoder_index is None else model.encoders[seg.encoder_index]
-        p = (seg.layer_end - seg.layer_start) * mod.layer_parameters()
-        if seg.first:
-            p += mod.embed_parameters()
-        if seg.last:
-            p += mod.head_parameters(model.llm.hidden)
-        if mod.frozen:
-            frozen += p
-        else:
-            train += p
-    return train, frozen
-
-
-def _memory_gb(
-    model, stages, tp, dp, m, max_tokens, enc_tokens, defer_budget, recompute=False
-) -> tuple[float, ...]:
-    pp = len(stages)
-    out = []
-    receives_encoder_output = next(
-        (i for i, st in enumerate(stages) if any(s.encoder_index is None for s in st.segments)), 0
-    )
-    for s, st in enumerate(stages):
-        train, frozen = _stage_params(model, st)
-        weights = (train * (6 + 12 / dp) + frozen * 2) / tp
-        inflight = min(m, pp - s)
-        act = 0.0
-        peak_layer = 0.0  # full recomputation: one layer's activations live at a time
-        for seg in st.segments:
-            mod = model.llm if seg.encoder_index is None else model.encoders[seg.encoder_index]
-            toks = max_tokens if seg.encoder_index is None else enc_tokens
-            layer = toks * ACT_BYTES_PER_TOKEN_LAYER * mod.hidden / tp
-            n_layers = seg.layer_end - seg.layer_start
-            if recompute:  # only each layer's input (bf16) is kept
-                act += n_layers * toks * 2 * mod.hidden
-                peak_layer = max(peak_layer, layer)
-            else:
-                act += n_layers * layer
-        total = weights + act * inflight + peak_layer
-        if s == receives_encoder_output:
-            total += defer_budget * model.llm.hidden * 2
-        out.append(total / 2**30)
-    return tuple(out)
-
-
-def _caps(tokens_b: np.ndarray, dp: int, m: int) -> tuple[int, int]:
-    """Token cap and deferral budget for (dp, m) from the profiled batches' token counts."""
-    per_mb = tokens_b.sum(axis=1).max() / (dp * m)
-    largest = int(tokens_b.max())
-    cap = max(largest, int(math.ceil(1.5 * per_mb)))
-    cap = int(math.ceil(cap / 256) * 256)
-    return cap, int(math.ceil(2 * per_mb))
 
 
 def _analytic(stages, tp, dp, m, cluster, model, mean_tokens_mb) -> float:
@@ -240,7 +109,7 @@ def _sync_time(stages, tp: int, dp: int, cluster: Cluster, model: ModelSpec) -> 
     """DP all-reduce of the largest stage's bf16 gradients (ring: 2 (dp-1)/dp of the bytes)."""
     if dp == 1:
         return 0.0
-    grads = max(_stage_params(model, st)[0] for st in stages) * 2 / tp
+    grads = max(stage_params(model, st)[0] for st in stages) * 2 / tp
     bw = (
         cluster.intra_node_gbps if tp * dp <= cluster.gpus_per_node else cluster.inter_node_gbps
     ) * 1e9
@@ -255,158 +124,68 @@ def make_plan(
     table: SampleTable,
     model: ModelSpec,
     cluster: Cluster,
-    global_batch: int,
+    global_batch: int | None = None,
     *,
     dp: int | None = None,
     tp: int | None = None,
     pp: int | None = None,
     microbatches: int | None = None,
+    frozen_encoder: bool = False,
     batches: int = 8,
     seed: int = 0,
     schedule: str = "1f1b",
-    simulate_top: int = 6,
+    simulate_top: int = 4,
     calibration: dict | None = None,
     costs: SampleCosts | None = None,
+    profile: MacroProfile | None = None,
 ) -> ParallelPlan:
-    """Search the feasible layouts for ``model`` on ``cluster`` and return the static plan."""
-    t0 = time.perf_counter()
-    if not isinstance(global_batch, int) or global_batch < 1:
-        raise InvalidInput(f"global_batch must be a positive integer, got {global_batch!r}")
-    if global_batch > len(table):
-        raise InvalidInput(
-            f"global_batch {global_batch} exceeds the {len(table)} samples of {table.origin}"
-        )
-    for name, v in (("dp", dp), ("tp", tp), ("pp", pp), ("microbatches", microbatches)):
-        if v is not None and (not isinstance(v, int) or v < 1):
-            raise InvalidInput(f"{name} must be a positive integer, got {v!r}")
-    costs = costs if costs is not None else per_sample_costs(table, model, calibration=calibration)
-    rng = np.random.default_rng(seed)
-    idx = np.stack([rng.choice(len(table), global_batch, replace=False) for _ in range(batches)])
-    enc_cost = costs.encoder_cost()
-    llm_cost = costs.llm_cost()
-    tok = costs.llm_tokens.astype(np.int64)
-    tokens_b = tok[idx]
-    enc_tok_b = (
-        costs.encoder_tokens.sum(axis=1)[idx]
-        if costs.encoder_tokens.size
-        else np.zeros_like(tokens_b)
-    )
-    units = _units(model, costs, idx)
-    n_units = len(units)
-    world = cluster.world_size
+    """Search the feasible layouts for ``model`` on ``cluster`` and return the static plan.
 
-    tps = [
-        t
-        for t in (1, 2, 4, 8, 16)
-        if t <= cluster.gpus_per_node and world % t == 0 and model.llm.heads % t == 0
-    ]
-    if tp is not None:
-        if tp not in tps and not (world % tp == 0 and tp <= cluster.gpus_per_node):
-            raise PlanError(
-                f"tp={tp} does not divide the {world} GPUs or exceeds {cluster.gpus_per_node} GPUs per node"
-            )
-        tps = [tp]
-    cands: list[Candidate] = []
-    smallest_need = math.inf
-    stage_cache: dict[tuple[int, int], tuple[StagePlan, ...] | None] = {}
-    for t in tps:
-        pps = [p for p in _divisors(world // t) if p <= min(n_units, 32)]
-        if pp is not None:
-            pps = [pp] if (world // t) % pp == 0 and pp <= n_units else []
-        for p in pps:
-            d = world // (t * p)
-            if dp is not None and d != dp:
-                continue
-            if global_batch < d:
-                continue
-            ms = (
-                [microbatches]
-                if microbatches is not None
-                else sorted({mm for mm in (p, 2 * p, 4 * p, 8 * p, 16, 32) if mm >= 1})
-            )
-            ms = [mm for mm in ms if global_batch >= d * mm]
-            n_enc_layers = sum(x.layers for x in model.encoders)
-            for k in range(0, min(p - 1, n_enc_layers) + 1):
-                key = (p, k)
-                if key not in stage_cache:
-                    stage_cache[key] = _stages_for(model, units, p, k)
-                stages = stage_cache[key]
-                if stages is None:
-                    continue
-                for mm in ms:
-                    cap, budget = _caps(tokens_b, d, mm)
-                    enc_tokens = int(math.ceil(1.5 * enc_tok_b.sum(axis=1).max() / (d * mm)))
-                    enc_tokens = max(enc_tokens, int(enc_tok_b.max()))
-                    for rc in (False, True):  # recompute only when the layout needs it
-                        mem = _memory_gb(model, stages, t, d, mm, cap, enc_tokens, budget, rc)
-                        need = max(mem)
-                        smallest_need = min(smallest_need, need)
-                        if need <= MEMORY_HEADROOM * cluster.gpu_memory_gb:
-                            break
-                    else:
-                        continue
-                    at = _analytic(
-                        stages, t, d, mm, cluster, model, tokens_b.sum(axis=1).mean() / (d * mm)
-                    ) * (RECOMPUTE_SLOWDOWN if rc else 1.0)
-                    cands.append(Candidate(t, p, d, mm, stages, mem, at, rc))
+    ``profile`` (a :class:`~entrain_data.profiler.MacroProfile` of ``table``)
+    supplies the global batches to score on; otherwise ``batches`` global
+    batches of ``global_batch`` samples are drawn with ``seed``. ``dp``, ``tp``,
+    ``pp`` and ``microbatches`` pin parts of the layout. Raises
+    :class:`~entrain_data.errors.PlanError` naming why when nothing fits.
+    """
+    t0 = time.perf_counter()
+    if frozen_encoder:
+        model = replace(model, encoders=tuple(e.with_frozen() for e in model.encoders))
+    idx = _profiled_batches(table, global_batch, batches, seed, profile)
+    batches, global_batch = idx.shape
+    for name, v in (("dp", dp), ("tp", tp), ("pp", pp), ("microbatches", microbatches)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise InvalidInput(f"{name} must be a positive integer, got {v!r}")
+    if schedule not in SCHEDULES:
+        raise InvalidInput(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    costs = costs if costs is not None else per_sample_costs(table, model, calibration=calibration)
+    tok = costs.llm_tokens.astype(np.int64)
+    ctx = _Context(model, cluster, global_batch, tok[idx], int(tok.max()), _enc_tokens(costs, idx))
+    cands, smallest_need = _candidates(
+        ctx, layer_units(model, costs, idx), dp, tp, pp, microbatches
+    )
     if not cands:
         if smallest_need is math.inf:
             raise PlanError(
-                f"no layout of {world} GPUs fits the constraints (dp={dp}, tp={tp}, pp={pp}, "
-                f"microbatches={microbatches}, global batch {global_batch})"
+                f"no layout of {cluster.world_size} GPUs meets the constraints (dp={dp}, tp={tp}, "
+                f"pp={pp}, microbatches={microbatches}, global batch {global_batch}): "
+                "dp must divide the global batch and tp*pp*dp equal the GPU count"
             )
         raise PlanError(
-            f"model {model.name or model.llm.name!r} fits no layout of {world} GPUs: the smallest "
-            f"needs {smallest_need:.1f} GB per GPU, {MEMORY_HEADROOM * cluster.gpu_memory_gb:.1f} GB usable "
-            f"of {cluster.gpu_memory_gb:g} GB"
+            f"model {model.name or model.llm.name!r} fits no layout of {cluster.world_size} GPUs: "
+            f"the smallest needs {smallest_need:.1f} GB per GPU, "
+            f"{MEMORY_HEADROOM * cluster.gpu_memory_gb:.1f} GB usable of {cluster.gpu_memory_gb:g} GB"
         )
-    cands.sort(key=lambda c: c.analytic_time)
-    chosen = cands[:simulate_top] + ([cands[-1]] if len(cands) > simulate_top else [])
-    sims = np.zeros((len(chosen), batches))
-    ideals = np.zeros(len(chosen))
-    assign_cache: dict[tuple[int, int], list] = {}
-    for ci, c in enumerate(chosen):
-        cap, budget = _caps(tokens_b, c.dp, c.microbatches)
-        akey = (c.dp, c.microbatches)
-        if akey not in assign_cache:
-            assign_cache[akey] = [
-                assign(
-                    enc_cost[b],
-                    llm_cost[b],
-                    tok[b],
-                    dp=c.dp,
-                    microbatches=c.microbatches,
-                    max_tokens=cap,
-                    defer_budget=budget,
-                    method="entrain",
-                    seed=seed,
-                    iteration=k,
-                )
-                for k, b in enumerate(idx)
-            ]
-        ideal_acc = 0.0
-        for k, b in enumerate(idx):
-            sub = _subset_costs(costs, b)
-            f, bw = stage_times(assign_cache[akey][k], sub, c.stages, _tp_speedup(c.tp))
-            if c.recompute:
-                bw = bw + f
-            f, bw = _add_comm(f, bw, c, cluster, model, tok[b], assign_cache[akey][k])
-            sync = _sync_time(c.stages, c.tp, c.dp, cluster, model)
-            sims[ci, k] = simulate_pipeline(f, bw, schedule).iteration_time + sync
-            mf = np.broadcast_to(f.mean(axis=(0, 1), keepdims=True), f.shape)
-            mb = np.broadcast_to(bw.mean(axis=(0, 1), keepdims=True), bw.shape)
-            ideal_acc += simulate_pipeline(mf, mb, schedule).iteration_time + sync
-        ideals[ci] = ideal_acc / batches
+    chosen = _to_simulate(cands, simulate_top)
+    sims, ideals = _simulate(ctx, chosen, costs, idx, seed, schedule)
     means = sims.mean(axis=1)
-    best = int(np.argmin(means))
+    best, worst = int(np.argmin(means)), int(np.argmax(means))
     oracle = sims.min(axis=0).mean()
-    worst = int(np.argmax(means))
     c = chosen[best]
-    cap, budget = _caps(tokens_b, c.dp, c.microbatches)
+    cap, budget = _caps(ctx, c.dp, c.microbatches)
     elapsed = time.perf_counter() - t0
     log.info("planned %d candidates (%d simulated) in %.2fs", len(cands), len(chosen), elapsed)
     return ParallelPlan(
-        world_size=world,
+        world_size=cluster.world_size,
         gpus_per_node=cluster.gpus_per_node,
         dp=c.dp,
         tp=c.tp,
@@ -438,52 +217,232 @@ def make_plan(
             "profiled_batches": batches,
             "seed": seed,
             "seconds": elapsed,
+            "oracle_iteration_time": float(oracle),
+            "worst_iteration_time": float(means[worst]),
             "simulated": [
                 {
                     "tp": x.tp,
                     "pp": x.pp,
                     "dp": x.dp,
                     "microbatches": x.microbatches,
+                    "encoder_stages": x.encoder_stages,
+                    "recompute": x.recompute,
                     "stages": [s.module for s in x.stages],
+                    "analytic_time": x.analytic_time,
                     "mean_time": float(mt),
+                    "batch_times": [float(v) for v in row],
                 }
-                for x, mt in zip(chosen, means)
+                for x, mt, row in zip(chosen, means, sims)
             ],
         },
     )
 
 
-def _subset_costs(costs: SampleCosts, rows: np.ndarray) -> SampleCosts:
-    """The costs of ``rows`` only (a view for one global batch)."""
-    from dataclasses import fields, replace
+@dataclass(frozen=True)
+class _Context:
+    """What every candidate is scored against (fixed for one planning run)."""
 
-    kw = {}
-    n = len(costs)
-    for f in fields(costs):
-        v = getattr(costs, f.name)
-        if (
-            isinstance(v, np.ndarray)
-            and v.ndim >= 1
-            and len(v) == n
-            and f.name not in ("encoder_bwd_factor", "encoder_call_overhead")
-        ):
-            kw[f.name] = v[rows]
-    return replace(costs, **kw)
+    model: ModelSpec
+    cluster: Cluster
+    global_batch: int
+    tokens_b: np.ndarray  # [K, B] LLM tokens of the profiled batches
+    largest_sample: int  # LLM tokens of the table's largest sample
+    enc_tokens_b: np.ndarray  # [K, B] encoder tokens (all encoders)
 
 
-def _add_comm(f, b, c: Candidate, cluster: Cluster, model: ModelSpec, tok: np.ndarray, a) -> tuple:
+def _profiled_batches(
+    table: SampleTable,
+    global_batch: int | None,
+    batches: int,
+    seed: int,
+    profile: MacroProfile | None,
+) -> np.ndarray:
+    """[K, B] table rows of the global batches the plan is scored on."""
+    if profile is not None:
+        idx = np.asarray(profile.batch_indices, dtype=np.int64)
+        if idx.ndim != 2 or idx.size == 0:
+            raise InvalidInput("profile: holds no batch indices (profile with include_batches)")
+        if idx.max() >= len(table):
+            raise InvalidInput(
+                f"profile: batch indices reach row {int(idx.max())} but {table.origin} has "
+                f"{len(table)} samples (a profile of another index?)"
+            )
+        if global_batch is not None and global_batch != idx.shape[1]:
+            raise InvalidInput(
+                f"global_batch {global_batch} differs from the profile's {idx.shape[1]}"
+            )
+        return idx
+    if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch < 1:
+        raise InvalidInput(f"global_batch must be a positive integer, got {global_batch!r}")
+    if global_batch > len(table):
+        raise InvalidInput(
+            f"global_batch {global_batch} exceeds the {len(table)} samples of {table.origin}"
+        )
+    if not isinstance(batches, int) or batches < 1:
+        raise InvalidInput(f"batches must be a positive integer, got {batches!r}")
+    rng = np.random.default_rng(seed)
+    return np.stack([rng.choice(len(table), global_batch, replace=False) for _ in range(batches)])
+
+
+def _enc_tokens(costs: SampleCosts, idx: np.ndarray) -> np.ndarray:
+    if costs.encoder_tokens.size == 0:
+        return np.zeros(idx.shape)
+    return costs.encoder_tokens.sum(axis=1)[idx]
+
+
+def _caps(ctx: _Context, dp: int, m: int) -> tuple[int, int]:
+    """Token cap and deferral budget of a microbatch for (dp, m).
+
+    The cap leaves 1.5x the heaviest profiled batch's mean microbatch so the
+    assignment has room to balance cost (not tokens), and never falls below the
+    table's largest sample (no sample may be unassignable). The deferral budget
+    buffers about two mean microbatches of encoder output.
+    """
+    per_mb = ctx.tokens_b.sum(axis=1).max() / (dp * m)
+    cap = max(ctx.largest_sample, int(math.ceil(1.5 * per_mb)))
+    cap = int(math.ceil(cap / 256) * 256)
+    return cap, int(math.ceil(2 * per_mb))
+
+
+def _candidates(ctx: _Context, units, dp, tp, pp, microbatches) -> tuple[list[Candidate], float]:
+    """Every layout meeting the pins whose memory fits, with its analytic time."""
+    model, cluster, world = ctx.model, ctx.cluster, ctx.cluster.world_size
+    gb = ctx.global_batch
+    tps = [
+        t
+        for t in (1, 2, 4, 8, 16)
+        if t <= cluster.gpus_per_node and world % t == 0 and model.llm.heads % t == 0
+    ]
+    if tp is not None:
+        if world % tp or tp > cluster.gpus_per_node:
+            raise PlanError(
+                f"tp={tp} must divide the {world} GPUs and fit in a node of "
+                f"{cluster.gpus_per_node} GPUs"
+            )
+        tps = [tp]
+    if pp is not None and pp > len(units):
+        raise PlanError(f"pp={pp} exceeds the model's {len(units)} layers")
+    n_enc_layers = sum(x.layers for x in model.encoders)
+    enc_tok = ctx.enc_tokens_b
+    cands: list[Candidate] = []
+    smallest_need = math.inf
+    stage_cache: dict[tuple[int, int], tuple[StagePlan, ...] | None] = {}
+    for t in tps:
+        pps = [p for p in _divisors(world // t) if p <= min(len(units), MAX_STAGES)]
+        if pp is not None:
+            pps = [pp] if (world // t) % pp == 0 else []
+        for p in pps:
+            d = world // (t * p)
+            if (dp is not None and d != dp) or gb % d:
+                continue
+            ms = [microbatches] if microbatches is not None else sorted({p, 2 * p, 4 * p, 8 * p})
+            ms = [mm for mm in ms if gb >= d * mm]
+            for k in range(0, min(p - 1, n_enc_layers) + 1):
+                if (p, k) not in stage_cache:
+                    stage_cache[p, k] = stages_for(model, units, p, k)
+                stages = stage_cache[p, k]
+                if stages is None:
+                    continue
+                for mm in ms:
+                    cap, budget = _caps(ctx, d, mm)
+                    enc_tokens = int(math.ceil(1.5 * enc_tok.sum(axis=1).max() / (d * mm)))
+                    enc_tokens = max(enc_tokens, int(enc_tok.max()))
+                    for rc in (False, True):  # recompute only when the layout needs it
+                        mem = memory_gb(model, stages, t, d, mm, cap, enc_tokens, budget, rc)
+                        smallest_need = min(smallest_need, max(mem))
+                        if max(mem) <= MEMORY_HEADROOM * cluster.gpu_memory_gb:
+                            break
+                    else:
+                        continue
+                    mean_tokens = ctx.tokens_b.sum(axis=1).mean() / (d * mm)
+                    at = _analytic(stages, t, d, mm, cluster, model, mean_tokens)
+                    at *= RECOMPUTE_SLOWDOWN if rc else 1.0
+                    cands.append(Candidate(t, p, d, mm, stages, mem, at, rc, k))
+    cands.sort(key=lambda c: c.analytic_time)
+    return cands, smallest_need
+
+
+def _to_simulate(cands: list[Candidate], top: int) -> list[Candidate]:
+    """The analytically best few distinct layouts, the best one's other microbatch counts, the worst.
+
+    Distinct layouts (tp, pp, encoder stages) make the per-batch oracle a real
+    alternative; the worst feasible layout prices a wrong static choice.
+    """
+    best_of: dict[tuple[int, int, int], Candidate] = {}
+    for c in cands:
+        best_of.setdefault((c.tp, c.pp, c.encoder_stages), c)
+    layouts = list(best_of.values())[: max(1, top)]
+    lead = layouts[0]
+    siblings = [
+        c
+        for c in cands
+        if (c.tp, c.pp, c.encoder_stages) == (lead.tp, lead.pp, lead.encoder_stages)
+        and c is not lead
+    ][:2]
+    chosen: list[Candidate] = []
+    for c in layouts + siblings + [cands[-1]]:
+        if all(c is not x for x in chosen):
+            chosen.append(c)
+    return chosen
+
+
+def _simulate(ctx: _Context, chosen, costs, idx, seed, schedule) -> tuple[np.ndarray, np.ndarray]:
+    """[C, K] simulated iteration seconds of every chosen layout on every profiled batch.
+
+    Assignments depend on (dp, microbatches) only and per-stage sample costs on
+    the stage layout only, so both are computed once and shared.
+    """
+    enc_cost, llm_cost = costs.encoder_cost(), costs.llm_cost()
+    tok = costs.llm_tokens.astype(np.int64)
+    sims = np.zeros((len(chosen), len(idx)))
+    ideals = np.zeros(len(chosen))
+    assignments: dict[tuple[int, int], list] = {}
+    per_stage: dict[int, tuple] = {}
+    for ci, c in enumerate(chosen):
+        cap, budget = _caps(ctx, c.dp, c.microbatches)
+        akey = (c.dp, c.microbatches)
+        if akey not in assignments:
+            assignments[akey] = [
+                assign(
+                    enc_cost[b],
+                    llm_cost[b],
+                    tok[b],
+                    dp=c.dp,
+                    microbatches=c.microbatches,
+                    max_tokens=cap,
+                    defer_budget=budget,
+                    method="entrain",
+                    seed=seed,
+                    iteration=k,
+                )
+                for k, b in enumerate(idx)
+            ]
+        skey = id(c.stages)
+        if skey not in per_stage:
+            per_stage[skey] = stage_sample_costs(costs, c.stages)
+        sync = _sync_time(c.stages, c.tp, c.dp, ctx.cluster, ctx.model)
+        ideal_acc = 0.0
+        for k, b in enumerate(idx):
+            a = assignments[akey][k]
+            f, bw = times_from_sample_costs(a, per_stage[skey], b, _tp_speedup(c.tp))
+            if c.recompute:
+                bw = bw + f
+            f, bw = _add_comm(f, bw, c, ctx, set_loads(a.llm_sets, tok[b]))
+            sims[ci, k] = simulate_pipeline(f, bw, schedule).iteration_time + sync
+            ideal_acc += ideal_iteration_time(f, bw, schedule) + sync
+        ideals[ci] = ideal_acc / len(idx)
+    return sims, ideals
+
+
+def _add_comm(f, b, c: Candidate, ctx: _Context, mb_tokens: np.ndarray) -> tuple:
     """Per-microbatch overhead and activation transfer across stage boundaries."""
     f = f + OVERHEAD_PER_MICROBATCH
     b = b + OVERHEAD_PER_MICROBATCH
     if c.pp == 1:
         return f, b
-    bw = (
-        cluster.intra_node_gbps if c.tp * c.pp <= cluster.gpus_per_node else cluster.inter_node_gbps
-    ) * 1e9
-    mb_tokens = np.array([[tok[s].sum() for s in row] for row in a.llm_sets], dtype=np.float64)
-    t = mb_tokens * model.llm.hidden * 2 / bw
-    f = f.copy()
-    b = b.copy()
+    cl = ctx.cluster
+    bw = (cl.intra_node_gbps if c.tp * c.pp <= cl.gpus_per_node else cl.inter_node_gbps) * 1e9
+    t = mb_tokens * ctx.model.llm.hidden * 2 / bw
     f[..., :-1] += t[..., None]
     b[..., 1:] += t[..., None]
     return f, b

@@ -41,6 +41,8 @@ __all__ = [
     "schedule_order",
     "set_loads",
     "stage_times",
+    "stage_sample_costs",
+    "times_from_sample_costs",
     "simulate_assignment",
     "ideal_times",
     "ideal_iteration_time",
@@ -178,8 +180,14 @@ def set_loads(sets: Sequence[Sequence[np.ndarray]], per_sample: np.ndarray) -> n
     return sums.reshape((r_count, m) + per_sample.shape[1:])
 
 
-def _stage_sample_costs(costs: SampleCosts, stages: Sequence[StagePlan]):
-    """Per-sample (enc_fwd, enc_bwd, llm_fwd, llm_bwd) [N, S] of every stage's segments."""
+def stage_sample_costs(
+    costs: SampleCosts, stages: Sequence[StagePlan]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per-sample (enc_fwd, enc_bwd, llm_fwd, llm_bwd) [N, S] of every stage's segments.
+
+    Computed once per stage layout; :func:`times_from_sample_costs` then prices
+    any assignment of any subset of the samples without touching the cost model.
+    """
     n, s_count = len(costs), len(stages)
     ef, eb, lf, lb = (np.zeros((n, s_count)) for _ in range(4))
     for s, st in enumerate(stages):
@@ -196,22 +204,39 @@ def _stage_sample_costs(costs: SampleCosts, stages: Sequence[StagePlan]):
     return ef, eb, lf, lb
 
 
+def times_from_sample_costs(
+    assignment: Assignment,
+    per_stage: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    rows: np.ndarray | None = None,
+    tp_speedup: float = 1.0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """[R, M, S] forward and backward seconds from :func:`stage_sample_costs`.
+
+    ``rows`` maps the assignment's sample indices to rows of ``per_stage`` (the
+    global batch drawn from a larger table); None means the identity.
+    """
+    ef, eb, lf, lb = (x if rows is None else x[rows] for x in per_stage)
+    s_count = ef.shape[1]
+    enc_f = set_loads(assignment.encoder_sets, ef)
+    llm = set_loads(assignment.llm_sets, np.concatenate([lf, lb, eb], axis=1))
+    # encoder backward of a sample runs when its gradient arrives, i.e. with its L set
+    fwd = enc_f + llm[..., :s_count]
+    bwd = llm[..., s_count : 2 * s_count] + llm[..., 2 * s_count :]
+    return fwd / tp_speedup, bwd / tp_speedup
+
+
 def stage_times(
     assignment: Assignment, costs: SampleCosts, stages: Sequence[StagePlan], tp_speedup: float = 1.0
 ) -> tuple[np.ndarray, np.ndarray]:
     """[R, M, S] forward and backward seconds of every stage for ``assignment``.
 
+    Encoder stages: forward from E_j, backward from the samples whose gradient
+    arrives with L_j (split backward). LLM stages: both from L_j.
     ``tp_speedup`` divides every time (tensor parallelism across the stage's GPUs).
     """
-    ef, eb, lf, lb = _stage_sample_costs(costs, stages)
-    enc = set_loads(assignment.encoder_sets, np.concatenate([ef, eb], axis=1))
-    llm = set_loads(assignment.llm_sets, np.concatenate([lf, lb], axis=1))
-    s_count = len(stages)
-    # encoder backward of a sample runs when its gradient arrives, i.e. with its L set
-    enc_bwd_by_l = set_loads(assignment.llm_sets, eb)
-    fwd = enc[..., :s_count] + llm[..., :s_count]
-    bwd = enc_bwd_by_l + llm[..., s_count:]
-    return fwd / tp_speedup, bwd / tp_speedup
+    return times_from_sample_costs(
+        assignment, stage_sample_costs(costs, stages), tp_speedup=tp_speedup
+    )
 
 
 def simulate_assignment(
