@@ -12,7 +12,8 @@ Public API (stable; used by the index builder and the packer):
 - ``text_segments(members) -> list[TextSegment]``: the sample's text as (text, loss) segments; a
   conversation JSON (LLaVA ``conversations``/``from``/``value``, OpenAI ``messages``/``role``/
   ``content``, or a list of turns) renders each turn as ``"role: text\\n"`` with the loss on the
-  assistant turns; a ``txt`` member (or JSON ``text``/``caption``) is one segment with loss.
+  assistant turns; a ``txt`` member (or ``cls`` label, or JSON ``text``/``caption``) is one
+  segment with loss.
 
 Any failure raises ``ValueError`` with the reason; the caller wraps it into a SampleError that names
 the shard and key (it knows them, this module does not).
@@ -48,7 +49,7 @@ __all__ = [
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm", "pgm")
 AUDIO_EXTS = ("wav", "flac", "mp3", "ogg", "opus")
-TEXT_EXTS = ("txt", "text", "caption", "json")
+TEXT_EXTS = ("txt", "text", "caption", "json", "cls")
 _ASSISTANT_ROLES = ("gpt", "assistant", "model", "bot")
 
 Image.MAX_IMAGE_PIXELS = 1 << 28  # real document scans exceed PIL's default bomb guard
@@ -96,7 +97,13 @@ def image_size(data: bytes) -> tuple[int, int]:
     try:
         with Image.open(io.BytesIO(data)) as im:
             w, h = im.size
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+    except (
+        UnidentifiedImageError,
+        OSError,
+        SyntaxError,
+        ValueError,
+        Image.DecompressionBombError,
+    ) as exc:
         raise ValueError(f"not a readable image ({exc})") from exc
     if w < 1 or h < 1:
         raise ValueError(f"image has an empty size {w}x{h}")

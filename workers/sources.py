@@ -22,13 +22,13 @@ Every read error is a :class:`~entrain_data.errors.SampleError` naming the shard
 
 from __future__ import annotations
 
-import gzip
 import io
 import logging
 import os
 import re
 import tarfile
 import threading
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -151,14 +151,7 @@ class TarShard:
     def _open_stream(self) -> io.BufferedIOBase:
         if _is_gzip_tar(self.path):
             if self._data is None:
-                try:
-                    with gzip.open(self.path, "rb") as gz:
-                        self._data = gz.read()
-                except (OSError, EOFError) as exc:
-                    raise SampleError(
-                        f"{self.path}: gzip stream is corrupt or truncated ({exc})",
-                        source=self.path,
-                    ) from exc
+                self._data = self._gunzip()
             return io.BytesIO(self._data)
         if self._fh is None:
             try:
@@ -168,6 +161,35 @@ class TarShard:
                     f"{self.path}: cannot open shard ({exc})", source=self.path
                 ) from exc
         return self._fh
+
+    def _gunzip(self) -> bytes:
+        """The whole decompressed tar; a cut-off gzip stream yields what it holds (truncated)."""
+        try:
+            with open(self.path, "rb") as f:
+                raw = f.read()
+        except OSError as exc:
+            raise SampleError(f"{self.path}: cannot open shard ({exc})", source=self.path) from exc
+        d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        try:
+            data = d.decompress(raw)
+        except zlib.error as exc:
+            raise SampleError(
+                f"{self.path}: gzip stream is corrupt ({exc})", source=self.path
+            ) from exc
+        if not d.eof:
+            self.truncated = True
+            log.warning("%s: gzip stream ends early (truncated shard)", self.path)
+        return data
+
+    def _trailing_garbage(self, fh: io.BufferedIOBase, stop: int, end: int) -> bool:
+        """True when non-zero bytes follow where tarfile stopped: a corrupt header, not the end."""
+        fh.seek(stop)
+        while True:
+            chunk = fh.read(1 << 20)
+            if not chunk:
+                return False
+            if chunk.count(0) != len(chunk):
+                return True
 
     def _scan(self) -> None:
         """Read the tar headers once: key -> extension -> (offset, size).
@@ -194,6 +216,16 @@ class TarShard:
                         self.samples.setdefault(key, {})
                         break
                     self.samples.setdefault(key, {})[ext] = MemberRef(info.offset_data, info.size)
+                stop = tar.offset
+            if not self.truncated and self._trailing_garbage(fh, stop, end):
+                # tarfile ends its iteration silently at a corrupt header: never lose data silently
+                self.truncated = True
+                log.error(
+                    "%s: corrupt tar header at byte %d: samples after %r are unreadable",
+                    self.path,
+                    stop,
+                    last_key,
+                )
         except tarfile.ReadError as exc:
             if not self.samples:
                 raise SampleError(
@@ -203,6 +235,8 @@ class TarShard:
         if self.truncated:
             log.warning("%s: shard is truncated (last sample %r incomplete)", self.path, last_key)
             self._incomplete = last_key
+            if last_key is not None:
+                self.samples.setdefault(last_key, {})
         else:
             self._incomplete = None
 
@@ -224,7 +258,7 @@ class TarShard:
         refs = self.members(member)
         if self.truncated and member == self._incomplete:
             raise SampleError(
-                f"{self.path}: sample {member!r} is cut off (truncated shard)",
+                f"{self.path}: sample {member!r} is cut off (truncated or corrupt shard)",
                 source=self.path,
                 key=member,
             )
