@@ -91,13 +91,15 @@ def varlen_attention(
 ) -> torch.Tensor:
     """Attention within each segment: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
     outs = []
-    gqa = q.shape[1] != k.shape[1]
+    if q.shape[1] != k.shape[1]:  # GQA: expand KV heads (flash/efficient kernels, any torch)
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     for n, count, ref in plan.groups:
         qq, kk, vv = (x[ref] for x in (q, k, v))
         qq, kk, vv = (
             x.reshape(count, n, x.shape[1], x.shape[2]).transpose(1, 2) for x in (qq, kk, vv)
         )
-        o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=causal, enable_gqa=gqa)
+        o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=causal)
         outs.append(o.transpose(1, 2).reshape(count * n, q.shape[1], q.shape[2]))
     out = torch.cat(outs) if len(outs) > 1 else outs[0]
     return out if plan.inverse is None else out[plan.inverse]
@@ -341,13 +343,13 @@ def build_vision_inputs(
     if total == 0:
         return None
     patch_dim = cfg.in_channels * cfg.temporal_patch * cfg.patch_size**2
-    patches = torch.randn(total, patch_dim, generator=gen).to(device=device, dtype=dtype)
-    grad = torch.randn(total // cfg.merge**2, llm_hidden, generator=gen) * 1e-3
+    patches = torch.randn(total, patch_dim, generator=gen, device=gen.device)
+    grad = torch.randn(total // cfg.merge**2, llm_hidden, generator=gen, device=gen.device)
     return VisionInputs(
-        patches=patches,
+        patches=patches.to(device=device, dtype=dtype),
         full=SegmentPlan.build(full, device),
         windows=SegmentPlan.build(wins, device),
-        grad_out=grad.to(device=device, dtype=dtype),
+        grad_out=(grad * 1e-3).to(device=device, dtype=dtype),
     )
 
 
@@ -360,28 +362,29 @@ def build_llm_inputs(
     dtype: torch.dtype,
     gen: torch.Generator,
 ) -> LLMInputs | None:
-    """Packed ids for the samples ``rows``: a BOS, the media placeholders, then text."""
+    """Packed ids for the samples ``rows``: a BOS, the media placeholders, then text.
+
+    Random draws happen on ``gen``'s device (the GPU in GPU runs: no host copies).
+    """
     lens = [int(llm_tokens[i]) for i in rows]
-    if not lens or sum(lens) == 0:
+    total = sum(lens)
+    if total == 0:
         return None
-    ids, labels, mask = [], [], []
-    for i, n in zip(rows, lens):
-        nm = int(media_tokens[i])
-        x = torch.randint(3, cfg.vocab, (n,), generator=gen)
-        mk = torch.zeros(n, dtype=torch.bool)
-        mk[1 : 1 + nm] = True
-        x[mk] = 1
-        y = torch.full((n,), -100, dtype=torch.int64)
-        y[:-1] = x[1:]
-        y[:-1][mk[1:]] = -100
-        ids.append(x)
-        labels.append(y)
-        mask.append(mk)
-    media_mask = torch.cat(mask)
-    media = torch.randn(int(media_mask.sum()), cfg.hidden, generator=gen)
+    mask_np = np.zeros(total, dtype=bool)
+    last = np.cumsum(lens) - 1
+    for start, i in zip(last + 1 - np.array(lens), rows):
+        mask_np[start + 1 : start + 1 + int(media_tokens[i])] = True
+    media_mask = torch.from_numpy(mask_np).to(gen.device)
+    ids = torch.randint(3, cfg.vocab, (total,), generator=gen, device=gen.device)
+    ids[media_mask] = 1
+    labels = torch.full_like(ids, -100)
+    labels[:-1] = ids[1:]
+    labels[torch.from_numpy(last).to(gen.device)] = -100  # no target across samples
+    labels[:-1][media_mask[1:]] = -100
+    media = torch.randn(int(mask_np.sum()), cfg.hidden, generator=gen, device=gen.device)
     return LLMInputs(
-        input_ids=torch.cat(ids).to(device),
-        labels=torch.cat(labels).to(device),
+        input_ids=ids.to(device),
+        labels=labels.to(device),
         media=media.to(device=device, dtype=dtype).requires_grad_(True),
         media_mask=media_mask.to(device),
         plan=SegmentPlan.build(lens, device),

@@ -20,6 +20,7 @@ images capped at 256 patches, text lengths / 16), a few seconds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -189,6 +191,42 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return a
 
 
+def _fast_attention(device: torch.device):
+    """On a GPU only flash / memory-efficient attention: a silent fall-back to the math
+    kernel would materialise [L, L] scores per image and time the wrong thing."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
+
+
+def _measure(a, methods, assignments, inputs, vision, vit, llm, timer) -> dict[str, list[dict]]:
+    """Warm up, then time every microbatch of every method, methods interleaved per iteration."""
+    rows0, asg0 = assignments[(methods[0], 0)]
+    for w in range(a.warmup):  # untimed: allocator, kernels, lazy imports
+        r, j = divmod(w % (a.dp * a.microbatches), a.microbatches)
+        mb = inputs(rows0[asg0.encoder_sets[r][j]], rows0[asg0.llm_sets[r][j]])
+        _time_microbatch(vit, llm, mb, None, timer)
+    per: dict[str, list[dict]] = {m: [] for m in methods}
+    for it in range(a.iterations):
+        for m in methods:  # interleaved per iteration: drift affects every method alike
+            rows, asg = assignments[(m, it)]
+            for r in range(a.dp):
+                for j in range(a.microbatches):
+                    e_rows = rows[asg.encoder_sets[r][j]]
+                    l_rows = rows[asg.llm_sets[r][j]]
+                    mb = inputs(e_rows, l_rows)
+                    arrival = None
+                    if set(e_rows.tolist()) != set(l_rows.tolist()):
+                        arrival = vision(l_rows)
+                    t = _time_microbatch(vit, llm, mb, arrival, timer)
+                    per[m].append({"iteration": it, "replica": r, "microbatch": j,
+                                   "encoder_rows": e_rows.tolist(), "llm_rows": l_rows.tolist(),
+                                   **t})  # fmt: skip
+                    del mb, arrival
+            log.info("iteration %d, %s: %d microbatches timed", it, m, a.dp * a.microbatches)
+    return per
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark; print the table, write the JSON; return the result dict."""
     a = _parse(argv)
@@ -218,7 +256,7 @@ def main(argv: list[str] | None = None) -> dict:
     n_vit = sum(p.numel() for p in vit.parameters())
     n_llm = sum(p.numel() for p in llm.parameters())
     log.info("model %s: vision %.1fM, llm %.1fM parameters", spec.name, n_vit / 1e6, n_llm / 1e6)
-    gen = torch.Generator(device="cpu").manual_seed(a.seed)
+    gen = torch.Generator(device=device).manual_seed(a.seed)
     grids = item_grids(table, vit_cfg)
     _check_tokens(table, grids, vit_cfg, costs)
 
@@ -244,32 +282,12 @@ def main(argv: list[str] | None = None) -> dict:
             )  # fmt: skip
             assignments[(m, it)] = (rows, asg)
 
-    timer = _Timer(device)
-    rows0, asg0 = assignments[(methods[0], 0)]
-    for w in range(a.warmup):  # untimed: allocator, kernels, autotuning
-        r, j = divmod(w % (a.dp * a.microbatches), a.microbatches)
-        mb = inputs(rows0[asg0.encoder_sets[r][j]], rows0[asg0.llm_sets[r][j]])
-        _time_microbatch(vit, llm, mb, None, timer)
-
-    per: dict[str, list[dict]] = {m: [] for m in methods}
-    for it in range(a.iterations):
-        for m in methods:  # interleaved per iteration: drift affects every method alike
-            rows, asg = assignments[(m, it)]
-            for r in range(a.dp):
-                for j in range(a.microbatches):
-                    e_rows = rows[asg.encoder_sets[r][j]]
-                    l_rows = rows[asg.llm_sets[r][j]]
-                    mb = inputs(e_rows, l_rows)
-                    arrival = None
-                    if set(e_rows.tolist()) != set(l_rows.tolist()):
-                        arrival = vision(l_rows)
-                    t = _time_microbatch(vit, llm, mb, arrival, timer)
-                    per[m].append({"iteration": it, "replica": r, "microbatch": j,
-                                   "encoder_rows": e_rows.tolist(), "llm_rows": l_rows.tolist(),
-                                   **t})  # fmt: skip
-                    del mb, arrival
+    with _fast_attention(device):
+        per = _measure(a, methods, assignments, inputs, vision, vit, llm, _Timer(device))
     result = _report(a, spec, table, methods, per, n_vit, n_llm, device)
     result["wall_seconds"] = time.perf_counter() - t_start
+    if device.type == "cuda":
+        result["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1))
     _print_table(result)
