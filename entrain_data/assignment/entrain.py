@@ -33,8 +33,10 @@ from .common import Assignment, Inputs, rng_for
 
 __all__ = ["assign_entrain", "split_replicas", "lpt_bins"]
 
-_SWAP_CANDIDATES = 128  # members considered per replica in one swap step
-_GOOD_ENOUGH = 2e-3  # relative deviation of a replica's module sum below which swaps stop
+_SWAP_CANDIDATES = 64  # members considered per replica in one swap step
+_GOOD_ENOUGH = 2e-3
+_GREEDY_ROUNDS = 64  # level-1 rounds placed greedily; the rest, small items, in serpentine
+_ITEMWISE_LPT = 512  # rows up to this many items are placed one item at a time  # relative deviation of a replica's module sum below which swaps stop
 
 
 def _norm_columns(w: np.ndarray) -> np.ndarray:
@@ -63,12 +65,20 @@ def split_replicas(
     wp = np.vstack([w, np.zeros((1, d))])  # row -1 -> zeros
     members = np.empty((dp, n), dtype=np.int64)
     loads = np.zeros((dp, d))
-    for k in range(n):
+    greedy = min(n, _GREEDY_ROUNDS)
+    for k in range(greedy):
         items = order[k * dp : (k + 1) * dp]
         lightest = np.argsort(loads.sum(axis=1), kind="stable")
         members[lightest, k] = items
         loads[lightest] += wp[items]
-    _refine_replicas(members, loads, wp, swap_iters if swap_iters is not None else min(2 * dp, 32))
+    if greedy < n:
+        # the small tail: serpentine rounds (lightest first, then back), in one step
+        lightest = np.argsort(loads.sum(axis=1), kind="stable")
+        tail = order[greedy * dp :].reshape(n - greedy, dp)
+        tail[1::2] = tail[1::2, ::-1]
+        members[lightest, greedy:] = tail.T
+        loads[lightest] += wp[tail].sum(axis=0)
+    _refine_replicas(members, loads, wp, swap_iters if swap_iters is not None else min(2 * dp, 16))
     return members
 
 
@@ -111,25 +121,102 @@ def _refine_replicas(members: np.ndarray, loads: np.ndarray, wp: np.ndarray, ite
 
 
 def lpt_bins(cost: np.ndarray, valid: np.ndarray, m: int) -> np.ndarray:
-    """Largest-first placement of [R, n] items into m bins per row; returns bin ids (-1 invalid)."""
+    """Largest-first placement of [R, n] items into m bins per row; returns bin ids (-1 invalid).
+
+    Short rows: classic LPT, one item at a time. Long rows: rounds of m items, largest
+    first, the round's largest item to the lightest bin, its second to the second
+    lightest, and so on (LPT vectorised over a round: the loop runs n / m times, not n). :func:`refine_bins` then removes what this leaves.
+    """
     r, n = cost.shape
     key = np.where(valid, cost, -np.inf)
     order = np.argsort(-key, axis=1, kind="stable")
     bins = np.full((r, n), -1, dtype=np.int64)
     loads = np.zeros((r, m))
-    rows = np.arange(r)
+    rows = np.arange(r)[:, None]
     counts = np.zeros((r, m))
-    for t in range(n):
-        item = order[:, t]
+    step = 1 if n <= _ITEMWISE_LPT else m  # item by item where it is cheap: tighter bins
+    for t in range(0, n, step):
+        item = order[:, t : t + step]
+        w = item.shape[1]
         ok = valid[rows, item]
         if not ok.any():
             break
-        # least-loaded bin; among equal loads the one with fewer items
-        target = np.argmin(loads + counts * 1e-12, axis=1)
-        bins[rows[ok], item[ok]] = target[ok]
-        loads[rows[ok], target[ok]] += cost[rows[ok], item[ok]]
-        counts[rows[ok], target[ok]] += 1
+        # lightest bins first; among equal loads the one with fewer items
+        target = np.argsort(loads + counts * 1e-12, axis=1, kind="stable")[:, :w]
+        rr = np.broadcast_to(rows, item.shape)[ok]
+        bins[rr, item[ok]] = target[ok]
+        np.add.at(loads, (rr, target[ok]), cost[rr, item[ok]])
+        np.add.at(counts, (rr, target[ok]), 1)
     return bins
+
+
+def refine_bins(bins: np.ndarray, cost: np.ndarray, valid: np.ndarray, m: int, iters: int) -> None:
+    """Improve [R, n] bin ids in place: swap (or move) items between each row's heaviest and
+    lightest bin when that narrows their gap; LPT leaves up to a third of a bin on the table
+    when bins hold few items, and this recovers most of it.
+
+    Only the two bins' members are compared, and for each item of the heavy bin only the
+    light-bin items nearest the ideal partner (found by binary search), so a step costs
+    O(R * n log n), not O(R * n^2).
+    """
+    r_count, n = bins.shape
+    if n == 0 or m < 2:
+        return
+    rows = np.arange(r_count)
+    c = np.where(valid, cost, 0.0)
+    slot = np.where(valid, bins, m)  # invalid items in an extra, ignored bin
+    flat_rows = np.broadcast_to(rows[:, None], slot.shape)
+    span = 4.0 * (float(c.max()) + 1.0) * (1 + n)
+    for _ in range(iters):
+        counts = np.zeros((r_count, m + 1), dtype=np.int64)
+        np.add.at(counts, (flat_rows, slot), 1)
+        loads = np.zeros((r_count, m + 1))
+        np.add.at(loads, (flat_rows, slot), c)
+        loads = loads[:, :m]
+        h = np.argmax(loads, axis=1)
+        lo = np.argmin(loads, axis=1)
+        gap = loads[rows, h] - loads[rows, lo]
+        # members of h and lo, each sorted by cost, padded to k
+        key = slot * span + c
+        order = np.argsort(key, axis=1, kind="stable")
+        starts = np.cumsum(counts, axis=1) - counts
+        nh, nl = counts[rows, h], counts[rows, lo]
+        k = int(max(nh.max(), nl.max(), 1))
+        ar = np.arange(k)[None, :]
+        ih = np.take_along_axis(order, np.minimum(starts[rows, h][:, None] + ar, n - 1), axis=1)
+        il = np.take_along_axis(order, np.minimum(starts[rows, lo][:, None] + ar, n - 1), axis=1)
+        vh = ar < nh[:, None]
+        ch = np.take_along_axis(c, ih, axis=1)
+        # light-bin costs, ascending, with a 0 (a move) in front; pads sort last in their row
+        cl = np.where(ar < nl[:, None], np.take_along_axis(c, il, axis=1), span / 2)
+        cl = np.concatenate([np.zeros((r_count, 1)), cl], axis=1)  # [R, k + 1]
+        flat = (cl + rows[:, None] * span).ravel()
+        want = ch - gap[:, None] / 2 + rows[:, None] * span
+        pos = np.searchsorted(flat, want.ravel()).reshape(r_count, k) - rows[:, None] * (k + 1)
+        best_gap = np.full(r_count, np.inf)
+        best_a = np.zeros(r_count, dtype=np.int64)
+        best_b = np.zeros(r_count, dtype=np.int64)
+        for p in (pos - 1, pos):
+            p = np.clip(p, 0, k)
+            cand = np.take_along_axis(cl, p, axis=1)
+            valid_b = (p == 0) | (p - 1 < nl[:, None])
+            ng = np.abs(gap[:, None] - 2 * (ch - cand))
+            ng = np.where(vh & valid_b, ng, np.inf)
+            a = np.argmin(ng, axis=1)
+            g = ng[rows, a]
+            upd = g < best_gap
+            best_gap = np.where(upd, g, best_gap)
+            best_a = np.where(upd, a, best_a)
+            best_b = np.where(upd, p[rows, a], best_b)
+        better = best_gap < gap - 1e-12 * np.maximum(gap, 1.0)
+        if not better.any():
+            break
+        rr = rows[better]
+        slot[rr, ih[rr, best_a[better]]] = lo[better]
+        swap = better & (best_b > 0)
+        rs = rows[swap]
+        slot[rs, il[rs, best_b[swap] - 1]] = h[swap]
+    bins[:] = np.where(valid, slot, -1)
 
 
 def _ffd_joint(
@@ -170,6 +257,8 @@ def assign_entrain(x: Inputs, seed: int, iteration: int, tolerance: float = 0.02
 
     # encoder sets: LPT over encoder work, then order bins by descending LLM work
     ebin = lpt_bins(enc_w, has_enc, m)
+    per_bin = members.shape[1] / m
+    refine_bins(ebin, enc_w, has_enc, m, iters=2 * m if per_bin <= 16 else max(4, m // 2))
     rows = np.arange(r_count)[:, None]
     bin_llm = np.zeros((r_count, m))
     np.add.at(bin_llm, (np.broadcast_to(rows, ebin.shape)[has_enc], ebin[has_enc]), llm[has_enc])
