@@ -30,7 +30,7 @@ import zmq
 
 from . import protocol
 from .batch import Microbatch
-from .errors import EntrainError, EntrainTimeout, InvalidInput, ProtocolError
+from .errors import EntrainError, EntrainTimeout, InvalidInput, ProtocolError, WorkerDied
 
 __all__ = ["EntrainLoader"]
 
@@ -75,8 +75,10 @@ class _Conn:
         prefetch: int,
         timeout: float,
         curve_server_key: bytes | None,
+        alive: Any = None,
     ) -> None:
         self.endpoint, self.rank, self.timeout = endpoint, rank, timeout
+        self.alive = alive  # () -> bool for a service this process started; checked while waiting
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -113,7 +115,12 @@ class _Conn:
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not self.sock.poll(int(left * 1000) + 1):
+            if left <= 0 or not self.sock.poll(int(min(left, 0.5) * 1000) + 1):
+                if self.alive is not None and not self.alive():
+                    raise WorkerDied(
+                        f"rank {self.rank}: the loader service at {self.endpoint} exited while "
+                        f"waiting for {what} (see its log for the reason)"
+                    )
                 if time.monotonic() >= deadline:
                     raise EntrainTimeout(
                         f"rank {self.rank}: waited {timeout:g}s for {what} from {self.endpoint}; "
@@ -219,6 +226,7 @@ class EntrainLoader:
                 self.prefetch,
                 self.timeout,
                 self._curve,
+                self._service.alive if self._service is not None else None,
             )
             info = self._box[0].info
             self._seed, self._fingerprint = info["seed"], info["fingerprint"]

@@ -9,6 +9,7 @@ removes the ipc socket files. The coordinator's own lifecycle is the
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing as mp
 import os
@@ -87,7 +88,10 @@ def make_config(
         index = str(Path(index).resolve())
         if not Path(index).is_file():
             raise InvalidInput(f"index file {index} does not exist")
-        packer_factory = packer_factory or IndexPackerFactory(index, on_error=on_error)
+        model = json.loads(plan_json).get("model") or None
+        packer_factory = packer_factory or IndexPackerFactory(
+            index, on_error=on_error, options={"model": model} if model else {}
+        )
         table_costs = table_costs or IndexCosts(index, plan_json)
     if packer_factory is None or table_costs is None:
         raise InvalidInput("give an index, or both packer_factory and table_costs")
@@ -170,7 +174,7 @@ class ServiceHandle:
     def __init__(self, cfg: ServiceConfig, process: Any) -> None:
         self.config = cfg
         self.process = process
-        self._finalizer = weakref.finalize(self, _stop, process, cfg, 5.0)
+        self._finalizer = weakref.finalize(self, _stop, process, cfg, 12.0)
 
     @property
     def endpoint(self) -> str:
@@ -201,7 +205,7 @@ class ServiceHandle:
             )
         return int(self.process.exitcode)
 
-    def close(self, timeout: float = 5.0) -> None:
+    def close(self) -> None:
         self._finalizer()
 
     def __enter__(self) -> ServiceHandle:

@@ -90,6 +90,7 @@ def run_worker(
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, ident)
     sock.setsockopt(zmq.LINGER, 1000)
+    sock.setsockopt(zmq.SNDTIMEO, 1000)
     sock.connect(endpoint)
     parent = os.getppid()
     try:
@@ -112,10 +113,23 @@ def run_worker(
             if msg.kind != "task":
                 log.error("worker %d: unexpected %r message", index, msg.kind)
                 continue
-            sock.send_multipart(_run_task(packer, msg.header), copy=False)
+            if not _send(sock, _run_task(packer, msg.header), parent):
+                log.warning("worker %d: coordinator gone, exiting", index)
+                return
     finally:
-        sock.close(linger=1000)
+        sock.close(linger=0)
         ctx.term()
+
+
+def _send(sock: zmq.Socket, frames: list[Any], parent: int) -> bool:
+    """Send, waiting at most a second at a time: a DEALER with no peer blocks forever otherwise."""
+    while True:
+        try:
+            sock.send_multipart(frames, copy=False)
+            return True
+        except zmq.Again:
+            if os.getppid() != parent:
+                return False
 
 
 def _run_task(packer: Packer, task: dict[str, Any]) -> list[Any]:
@@ -270,7 +284,7 @@ class WorkerPool:
             )
         return out
 
-    def stop(self, timeout: float = 3.0) -> None:
+    def stop(self, timeout: float = 5.0) -> None:
         """Ask every worker to stop, then escalate: join -> terminate -> kill."""
         for s in self.slots:
             if s.process.is_alive():

@@ -1,0 +1,105 @@
+"""EntrainLoader on real decoded data: demo WebDataset shards (images, audio, text), the default packer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from entrain_data.client import EntrainLoader
+from entrain_data.errors import WorkerDied
+from entrain_data.metadata import read_index, write_index
+from entrain_data.plan import ParallelPlan, StagePlan, StageSegment
+from entrain_data.presets import ModelSpec
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def demo_plan(dp: int = 2, microbatches: int = 2, global_batch: int = 8) -> ParallelPlan:
+    model = ModelSpec.from_names(["qwen2.5-vl-vision", "whisper-large-v3-encoder"], "llama-3.2-1b")
+    segs = (
+        StageSegment("qwen2.5-vl-vision", 0, 0, model.encoders[0].layers, True, True),
+        StageSegment("whisper-large-v3-encoder", 1, 0, model.encoders[1].layers, True, True),
+        StageSegment("llm", None, 0, model.llm.layers, True, True),
+    )
+    return ParallelPlan(
+        world_size=dp,
+        gpus_per_node=8,
+        dp=dp,
+        tp=1,
+        pp=1,
+        stages=(StagePlan(0, segs),),
+        microbatches=microbatches,
+        global_batch=global_batch,
+        max_tokens=1 << 20,
+        defer_budget=1 << 20,
+        model=model.to_dict(),
+    )
+
+
+@pytest.fixture(scope="module")
+def demo_index(tmp_path_factory):
+    from entrain_data.workers.demo_data import write_demo_dataset
+    from entrain_data.workers.index_builder import build_index
+
+    root = tmp_path_factory.mktemp("demo")
+    shards = write_demo_dataset(root / "shards", samples=16, shards=2, seed=1)
+    index = root / "index.parquet"
+    write_index(build_index([str(p) for p in shards], progress=False), index)
+    return index
+
+
+def test_local_loader_serves_packed_multimodal_microbatches(tmp_path, demo_index):
+    plan = demo_plan(dp=1)
+    keys = set(read_index(demo_index).keys)
+    with EntrainLoader.local(
+        rank=0,
+        index=demo_index,
+        plan=plan,
+        workers=2,
+        timeout=90,
+        socket_dir=str(tmp_path / "entrain-s"),
+    ) as loader:
+        assert loader.info["replica"] == 0 and loader.info["epochs"] == 1
+        mbs = list(loader)
+        assert [(m.iteration, m.microbatch) for m in mbs] == [
+            (i, j) for i in range(2) for j in range(2)
+        ]
+        assert sorted(k for m in mbs for k in m.encoder_keys) == sorted(keys)
+        assert sorted(k for m in mbs for k in m.llm_keys) == sorted(keys)
+        for m in mbs:
+            ids, cu = m["input_ids"], m["cu_seqlens"]
+            assert ids.dtype == torch.int64 and int(cu[-1]) == ids.numel()
+            assert len(cu) == len(m.llm_keys) + 1
+            if "pixel_values" in m:
+                grid = m["image_grid_thw"]
+                assert m["pixel_values"].shape[0] == int(grid.prod(dim=1).sum())
+        assert list(loader) == []  # the only epoch is over
+        stats = loader.stats()
+        assert stats["samples_served"] == len(keys) and stats["bytes_served"] > 0
+        assert sum(w["tasks"] for w in stats["workers"]) >= 4
+    assert not (tmp_path / "entrain-s").exists()
+
+
+def test_local_loader_reports_a_service_that_died(tmp_path, demo_index):
+    bad = demo_plan(dp=1)
+    bad = ParallelPlan.from_dict(
+        {
+            **bad.to_dict(),
+            "model": ModelSpec.from_names(["qwen2.5-vl-vision"], "llama-3.2-1b").to_dict(),
+            "stages": [StagePlan(0, (StageSegment("llm", None, 0, 16, True, True),)).to_dict()],
+        }
+    )
+    with (
+        pytest.raises(WorkerDied, match="exited"),
+        EntrainLoader.local(
+            rank=0, index=demo_index, plan=bad, timeout=60, socket_dir=str(tmp_path / "entrain-s")
+        ) as loader,
+    ):
+        list(loader)
+
+
+def test_loader_arguments_are_checked():
+    with pytest.raises(ValueError, match="rank"):
+        EntrainLoader("ipc:///nonexistent", -1)
+    with pytest.raises(ValueError, match="prefetch"):
+        EntrainLoader("ipc:///nonexistent", 0, prefetch=0)
