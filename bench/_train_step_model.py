@@ -31,11 +31,14 @@ from torch.utils.checkpoint import checkpoint
 
 from entrain_data.cost_model import ModuleConfig
 from entrain_data.metadata import SampleTable
-from entrain_data.tokens import smart_resize
+from entrain_data.tokens import audio_tokens, smart_resize
 
 __all__ = [
     "SegmentPlan",
     "VisionTower",
+    "AudioTower",
+    "AudioInputs",
+    "build_audio_inputs",
     "DecoderLLM",
     "lm_loss_sum",
     "VisionInputs",
@@ -202,6 +205,41 @@ class VisionTower(nn.Module):
         x = self.merge_norm(x).reshape(-1, self.cfg.hidden * self.cfg.merge**2)
         return self.merger(x)
 
+    def forward_inputs(self, v: VisionInputs) -> torch.Tensor:
+        return self(v.patches, v.full, v.windows)
+
+
+class AudioTower(nn.Module):
+    """Whisper-style encoder: conv stem over padded windows of log-mel frames, full attention
+    within each window, average pooling, linear projector; output trimmed to each clip's
+    real length (the LLM sees only those tokens, as the cost model counts them)."""
+
+    def __init__(self, cfg: ModuleConfig, llm_hidden: int, recompute: bool = False):
+        super().__init__()
+        if cfg.kind != "audio":
+            raise ValueError(f"AudioTower needs an audio ModuleConfig, got {cfg.kind!r}")
+        self.cfg, self.recompute = cfg, recompute
+        self.conv1 = nn.Conv1d(cfg.n_mels, cfg.hidden, 3, padding=1)
+        self.conv2 = nn.Conv1d(cfg.hidden, cfg.hidden, 3, stride=cfg.audio_conv_stride, padding=1)
+        self.layers = nn.ModuleList(Block(cfg, qkv_bias=True) for _ in range(cfg.layers))
+        self.norm = RMSNorm(cfg.hidden)
+        self.projector = nn.Linear(cfg.hidden, llm_hidden)
+
+    def forward(self, mels: torch.Tensor, plan: SegmentPlan, keep: torch.Tensor) -> torch.Tensor:
+        """[W, n_mels, frames] windows -> [len(keep), llm_hidden]."""
+        x = F.gelu(self.conv2(F.gelu(self.conv1(mels))))  # [W, hidden, seq]
+        x = x.transpose(1, 2).reshape(-1, self.cfg.hidden)
+        x = _run_layers(self.layers, x, [plan] * len(self.layers), False, self.recompute)
+        x = self.norm(x)
+        w, p = mels.shape[0], self.cfg.audio_pool
+        if p > 1:
+            x = x.view(w, -1, self.cfg.hidden)
+            x = F.avg_pool1d(x.transpose(1, 2), p, p).transpose(1, 2).reshape(-1, self.cfg.hidden)
+        return self.projector(x[keep])
+
+    def forward_inputs(self, a: AudioInputs) -> torch.Tensor:
+        return self(a.mels, a.plan, a.keep)
+
 
 class DecoderLLM(nn.Module):
     """Llama-style decoder over a packed sequence (causal attention within each sample)."""
@@ -280,8 +318,20 @@ class LLMInputs:
 
 
 @dataclass(frozen=True)
+class AudioInputs:
+    """Random log-mel windows of an encoder set's clips and which pooled tokens are real."""
+
+    mels: torch.Tensor
+    plan: SegmentPlan
+    keep: torch.Tensor
+    grad_out: torch.Tensor
+
+
+@dataclass(frozen=True)
 class MicrobatchInputs:
-    vision: VisionInputs | None
+    """One microbatch: inputs of every encoder (None where its set has no item) and the LLM."""
+
+    encoders: tuple[VisionInputs | AudioInputs | None, ...]
     llm: LLMInputs | None
 
 
@@ -350,6 +400,40 @@ def build_vision_inputs(
         full=SegmentPlan.build(full, device),
         windows=SegmentPlan.build(wins, device),
         grad_out=(grad * 1e-3).to(device=device, dtype=dtype),
+    )
+
+
+def build_audio_inputs(
+    table: SampleTable,
+    cfg: ModuleConfig,
+    rows: np.ndarray,
+    device: torch.device,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+    llm_hidden: int,
+) -> AudioInputs | None:
+    """Inputs of the audio encoder for the samples ``rows`` (None when they carry no audio)."""
+    off = table.audio_offsets
+    items = np.concatenate([np.arange(off[i], off[i + 1]) for i in rows] or [np.zeros(0, int)])
+    if len(items) == 0:
+        return None
+    tok = audio_tokens(cfg, table.audio_seconds[items])
+    frames = int(round(cfg.audio_window_seconds * cfg.audio_frame_rate))
+    seq = int(tok.seq_len[0])
+    pooled = seq // cfg.audio_pool
+    keep, base = [], 0
+    for n_win, n_llm in zip(tok.n_seq, tok.llm_tokens):
+        keep.append(base + np.arange(min(int(n_llm), int(n_win) * pooled)))
+        base += int(n_win) * pooled
+    keep_t = torch.from_numpy(np.concatenate(keep)).to(device)
+    n_win = int(tok.n_seq.sum())
+    mels = torch.randn(n_win, cfg.n_mels, frames, generator=gen, device=gen.device)
+    grad = torch.randn(len(keep_t), llm_hidden, generator=gen, device=gen.device) * 1e-3
+    return AudioInputs(
+        mels=mels.to(device=device, dtype=dtype),
+        plan=SegmentPlan.build([seq] * n_win, device),
+        keep=keep_t,
+        grad_out=grad.to(device=device, dtype=dtype),
     )
 
 

@@ -27,6 +27,7 @@ import logging
 import math
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -36,9 +37,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _train_step_model import (  # noqa: E402
+    AudioTower,
     DecoderLLM,
     MicrobatchInputs,
     VisionTower,
+    build_audio_inputs,
     build_llm_inputs,
     build_vision_inputs,
     item_grids,
@@ -57,10 +60,22 @@ MEASURES = ("encoder_fwd", "encoder_bwd", "llm_fwd", "llm_bwd")
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def bench_spec(tiny: bool, vision_layers: int | None, llm_layers: int | None) -> ModelSpec:
-    """The ModelSpec of the timed model (the cost model prices exactly these shapes)."""
+def bench_spec(
+    tiny: bool,
+    vision_layers: int | None = None,
+    llm_layers: int | None = None,
+    audio: bool = False,
+    audio_layers: int | None = None,
+) -> ModelSpec:
+    """The ModelSpec of the timed model (the cost model prices exactly these shapes).
+
+    GPU: the Qwen2.5-VL ViT cut to 16 layers (~330M), Llama-3.2-1B, and with
+    ``audio`` the Whisper-large-v3 encoder cut to 16 layers. Tiny: the same
+    families with toy widths, images capped at 256 patches, 3 s audio windows.
+    """
     vit = load_module("qwen2.5-vl-vision")
     llm = load_module("llama-3.2-1b")
+    aud = load_module("whisper-large-v3-encoder")
     if tiny:
         vit = dataclasses.replace(
             vit, name="tiny-vit", hidden=32, layers=2, ffn=64, heads=2, kv_heads=2,
@@ -71,6 +86,10 @@ def bench_spec(tiny: bool, vision_layers: int | None, llm_layers: int | None) ->
             llm, name="tiny-llm", hidden=32, layers=2, ffn=64, heads=4, kv_heads=2,
             head_dim=8, vocab=512,
         )  # fmt: skip
+        aud = dataclasses.replace(
+            aud, name="tiny-audio", hidden=32, layers=2, ffn=64, heads=2, kv_heads=2,
+            n_mels=16, audio_window_seconds=3.0,
+        )  # fmt: skip
     if vision_layers is not None or not tiny:
         n = vision_layers if vision_layers is not None else 16
         full = tuple(i for i in vit.full_attention_layers if i < n) or (n - 1,)
@@ -79,7 +98,11 @@ def bench_spec(tiny: bool, vision_layers: int | None, llm_layers: int | None) ->
         )
     if llm_layers is not None:
         llm = dataclasses.replace(llm, name=f"{llm.name}-{llm_layers}l", layers=llm_layers)
-    return ModelSpec(encoders=(vit,), llm=llm, name=f"{vit.name}+{llm.name}")
+    if audio_layers is not None or not tiny:
+        n = audio_layers if audio_layers is not None else 16
+        aud = dataclasses.replace(aud, name=f"{aud.name}-{n}l", layers=n)
+    encoders = (vit, aud) if audio else (vit,)
+    return ModelSpec(encoders=encoders, llm=llm, name="+".join(e.name for e in encoders + (llm,)))
 
 
 def _scaled_text(table: SampleTable, scale: int) -> SampleTable:
@@ -110,16 +133,35 @@ class _Timer:
         return out, time.perf_counter() - t0
 
 
-def _time_microbatch(vit, llm, mb: MicrobatchInputs, arrival, timer: _Timer) -> dict[str, float]:
-    """Forward and backward of the encoder on E_j and of the LLM on L_j, each timed alone."""
-    out: dict[str, float] = dict.fromkeys(MEASURES + ("encoder_bwd_arrival",), 0.0)
-    vit.zero_grad(set_to_none=True)
+def _time_microbatch(towers, llm, mb: MicrobatchInputs, arrival, timer: _Timer) -> dict:
+    """Forward and backward of every encoder on E_j and of the LLM on L_j, each timed alone.
+
+    ``arrival`` (encoder inputs of L_j's samples, or None when L_j = E_j): split
+    backward runs a deferred sample's encoder backward when its gradient arrives,
+    so the encoder backward of microbatch j in the pipeline covers L_j's samples.
+    """
+    out: dict = dict.fromkeys(MEASURES + ("encoder_bwd_arrival",), 0.0)
+    out["per_encoder"] = {}
     llm.zero_grad(set_to_none=True)
-    v = mb.vision
-    if v is not None:
-        y, out["encoder_fwd"] = timer(lambda: vit(v.patches, v.full, v.windows))
-        _, out["encoder_bwd"] = timer(lambda: y.backward(v.grad_out))
-        del y
+    for e, (name, tower) in enumerate(towers):
+        tower.zero_grad(set_to_none=True)
+        t = {"fwd": 0.0, "bwd": 0.0, "bwd_arrival": 0.0}
+        v = mb.encoders[e]
+        if v is not None:
+            y, t["fwd"] = timer(partial(tower.forward_inputs, v))
+            _, t["bwd"] = timer(partial(y.backward, v.grad_out))
+            del y
+        t["bwd_arrival"] = t["bwd"]
+        if arrival is not None:
+            t["bwd_arrival"] = 0.0
+            if arrival[e] is not None:
+                y = tower.forward_inputs(arrival[e])
+                _, t["bwd_arrival"] = timer(partial(y.backward, arrival[e].grad_out))
+                del y
+        out["per_encoder"][name] = t
+        out["encoder_fwd"] += t["fwd"]
+        out["encoder_bwd"] += t["bwd"]
+        out["encoder_bwd_arrival"] += t["bwd_arrival"]
     lm = mb.llm
     if lm is not None:
         loss, out["llm_fwd"] = timer(
@@ -127,13 +169,6 @@ def _time_microbatch(vit, llm, mb: MicrobatchInputs, arrival, timer: _Timer) -> 
         )
         _, out["llm_bwd"] = timer(lambda: loss.backward())
         del loss
-    # split backward: the encoder backward of microbatch j covers the samples whose
-    # gradient arrives with L_j; equal to E_j's backward unless the method defers
-    if arrival is None:
-        out["encoder_bwd_arrival"] = out["encoder_bwd"]
-    else:
-        y = vit(arrival.patches, arrival.full, arrival.windows)
-        _, out["encoder_bwd_arrival"] = timer(lambda: y.backward(arrival.grad_out))
     return out
 
 
@@ -171,6 +206,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--llm-stages", default="1,2,3", help="LLM pipeline stages to simulate")
     p.add_argument("--vision-layers", type=int, default=None)
     p.add_argument("--llm-layers", type=int, default=None)
+    p.add_argument("--audio-layers", type=int, default=None, help="audio workloads")
     p.add_argument("--text-scale", type=int, default=None, help="divide text lengths by this")
     p.add_argument("--recompute", choices=("auto", "on", "off"), default="auto")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (tiny: 1)")
@@ -199,13 +235,15 @@ def _fast_attention(device: torch.device):
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
 
 
-def _measure(a, methods, assignments, inputs, vision, vit, llm, timer) -> dict[str, list[dict]]:
+def _measure(
+    a, methods, assignments, inputs, encoders, towers, llm, timer
+) -> dict[str, list[dict]]:
     """Warm up, then time every microbatch of every method, methods interleaved per iteration."""
     rows0, asg0 = assignments[(methods[0], 0)]
     for w in range(a.warmup):  # untimed: allocator, kernels, lazy imports
         r, j = divmod(w % (a.dp * a.microbatches), a.microbatches)
         mb = inputs(rows0[asg0.encoder_sets[r][j]], rows0[asg0.llm_sets[r][j]])
-        _time_microbatch(vit, llm, mb, None, timer)
+        _time_microbatch(towers, llm, mb, None, timer)
     per: dict[str, list[dict]] = {m: [] for m in methods}
     for it in range(a.iterations):
         for m in methods:  # interleaved per iteration: drift affects every method alike
@@ -217,8 +255,8 @@ def _measure(a, methods, assignments, inputs, vision, vit, llm, timer) -> dict[s
                     mb = inputs(e_rows, l_rows)
                     arrival = None
                     if set(e_rows.tolist()) != set(l_rows.tolist()):
-                        arrival = vision(l_rows)
-                    t = _time_microbatch(vit, llm, mb, arrival, timer)
+                        arrival = encoders(l_rows)
+                    t = _time_microbatch(towers, llm, mb, arrival, timer)
                     per[m].append({"iteration": it, "replica": r, "microbatch": j,
                                    "encoder_rows": e_rows.tolist(), "llm_rows": l_rows.tolist(),
                                    **t})  # fmt: skip
@@ -244,31 +282,42 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     recompute = a.recompute == "on" or (a.recompute == "auto" and device.type == "cuda")
 
-    spec = bench_spec(a.tiny, a.vision_layers, a.llm_layers)
+    raw = synthesize(a.workload, a.global_batch * a.iterations, a.seed)
+    has_audio = len(raw.audio_seconds) > 0
+    spec = bench_spec(a.tiny, a.vision_layers, a.llm_layers, has_audio, a.audio_layers)
     vit_cfg = spec.encoders[0]
-    n_rows = a.global_batch * a.iterations
-    table = _scaled_text(synthesize(a.workload, n_rows, a.seed), a.text_scale)
+    table = _scaled_text(raw, a.text_scale)
     costs = per_sample_costs(table, spec)
     enc_cost, llm_cost, tokens = costs.encoder_cost(), costs.llm_cost(), costs.llm_tokens
 
-    vit = VisionTower(vit_cfg, spec.llm.hidden, recompute).to(device=device, dtype=dtype)
+    kinds = {"vision": VisionTower, "audio": AudioTower}
+    towers = [
+        (c.name, kinds[c.kind](c, spec.llm.hidden, recompute).to(device=device, dtype=dtype))
+        for c in spec.encoders
+    ]
     llm = DecoderLLM(spec.llm, recompute).to(device=device, dtype=dtype)
-    n_vit = sum(p.numel() for p in vit.parameters())
-    n_llm = sum(p.numel() for p in llm.parameters())
-    log.info("model %s: vision %.1fM, llm %.1fM parameters", spec.name, n_vit / 1e6, n_llm / 1e6)
+    params = {name: sum(p.numel() for p in t.parameters()) for name, t in towers}
+    params["llm"] = sum(p.numel() for p in llm.parameters())
+    log.info(
+        "model %s: %s parameters", spec.name, {k: f"{v / 1e6:.1f}M" for k, v in params.items()}
+    )
     gen = torch.Generator(device=device).manual_seed(a.seed)
     grids = item_grids(table, vit_cfg)
     _check_tokens(table, grids, vit_cfg, costs)
+    media = costs.vision_tokens + costs.audio_tokens
 
-    def vision(rows: np.ndarray):
-        return build_vision_inputs(table, vit_cfg, grids, rows, device, dtype, gen, spec.llm.hidden)
+    def encoders(rows: np.ndarray) -> tuple:
+        return tuple(
+            build_vision_inputs(table, c, grids, rows, device, dtype, gen, spec.llm.hidden)
+            if c.kind == "vision"
+            else build_audio_inputs(table, c, rows, device, dtype, gen, spec.llm.hidden)
+            for c in spec.encoders
+        )
 
     def inputs(rows_e: np.ndarray, rows_l: np.ndarray) -> MicrobatchInputs:
         return MicrobatchInputs(
-            vision=vision(rows_e),
-            llm=build_llm_inputs(
-                spec.llm, costs.llm_tokens, costs.vision_tokens, rows_l, device, dtype, gen
-            ),
+            encoders=encoders(rows_e),
+            llm=build_llm_inputs(spec.llm, costs.llm_tokens, media, rows_l, device, dtype, gen),
         )
 
     assignments: dict[tuple[str, int], object] = {}
@@ -283,8 +332,8 @@ def main(argv: list[str] | None = None) -> dict:
             assignments[(m, it)] = (rows, asg)
 
     with _fast_attention(device):
-        per = _measure(a, methods, assignments, inputs, vision, vit, llm, _Timer(device))
-    result = _report(a, spec, table, methods, per, n_vit, n_llm, device)
+        per = _measure(a, methods, assignments, inputs, encoders, towers, llm, _Timer(device))
+    result = _report(a, spec, table, methods, per, params, device)
     result["wall_seconds"] = time.perf_counter() - t_start
     if device.type == "cuda":
         result["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -305,7 +354,7 @@ def _fit(table, spec, module, groups, seconds, phase) -> dict:
     return fit.to_dict()
 
 
-def _report(a, spec, table, methods, per, n_vit, n_llm, device) -> dict:
+def _report(a, spec, table, methods, per, params, device) -> dict:
     out: dict = {
         "config": {
             "device": str(device),
@@ -324,13 +373,20 @@ def _report(a, spec, table, methods, per, n_vit, n_llm, device) -> dict:
             "seed": a.seed,
             "methods": methods,
         },  # fmt: skip
-        "model": {"spec": spec.to_dict(), "vision_params": n_vit, "llm_params": n_llm},
+        "model": {"spec": spec.to_dict(), "parameters": params},
         "methods": {},
     }
     for m in methods:
         rec = per[m]
         out["methods"][m] = {
             k: _stats(np.array([x[k] for x in rec])) for k in MEASURES + ("encoder_bwd_arrival",)
+        }
+        out["methods"][m]["per_encoder"] = {
+            c.name: {
+                k: _stats(np.array([x["per_encoder"][c.name][k] for x in rec]))
+                for k in ("fwd", "bwd", "bwd_arrival")
+            }
+            for c in spec.encoders
         }
         out["methods"][m]["microbatches"] = rec
     if "sequential" in methods:
@@ -347,14 +403,16 @@ def _report(a, spec, table, methods, per, n_vit, n_llm, device) -> dict:
     # calibration on every measured microbatch of every method
     allrec = [x for m in methods for x in per[m]]
     cal: dict = {}
-    for module, rows_key, f, b in (
-        (spec.encoders[0].name, "encoder_rows", "encoder_fwd", "encoder_bwd"),
-        ("llm", "llm_rows", "llm_fwd", "llm_bwd"),
-    ):
+    series = [
+        (c.name, "encoder_rows", [x["per_encoder"][c.name] for x in allrec]) for c in spec.encoders
+    ] + [("llm", "llm_rows", [{"fwd": x["llm_fwd"], "bwd": x["llm_bwd"]} for x in allrec])]
+    for module, rows_key, times in series:
         groups = [x[rows_key] for x in allrec]
+        fwd = [t["fwd"] for t in times]
+        step = [t["fwd"] + t["bwd"] for t in times]
         cal[module] = {
-            "forward": _fit(table, spec, module, groups, [x[f] for x in allrec], "forward"),
-            "step": _fit(table, spec, module, groups, [x[f] + x[b] for x in allrec], "step"),
+            "forward": _fit(table, spec, module, groups, fwd, "forward"),
+            "step": _fit(table, spec, module, groups, step, "step"),
         }
     out["calibration"] = cal
     # pipeline simulation: 1 encoder stage + K LLM stages (LLM times split evenly)
@@ -393,8 +451,9 @@ def _print_table(res: dict) -> None:
     c = res["config"]
     print(
         f"\ntrain_step: {c['workload']} on {c['gpu'] or c['device']}, model "
-        f"{res['model']['spec']['name']} ({res['model']['vision_params'] / 1e6:.1f}M + "
-        f"{res['model']['llm_params'] / 1e6:.1f}M), gb {c['global_batch']}, dp {c['dp']}, "
+        f"{res['model']['spec']['name']} ("
+        + " + ".join(f"{v / 1e6:.1f}M" for v in res["model"]["parameters"].values())
+        + f"), gb {c['global_batch']}, dp {c['dp']}, "
         f"{c['microbatches']} microbatches, {c['iterations']} iteration(s)"
     )
     hdr = f"{'method':<22}" + "".join(f"{k + ' mean/std ms':>26}" for k in MEASURES)

@@ -157,3 +157,37 @@ def test_tiny_cpu_command_line(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "std sequential/entrain" in proc.stdout
     assert json.loads(out.read_text())["methods"]["entrain"]["llm_fwd"]["mean_ms"] > 0
+
+
+def test_audio_inputs_match_cost_model_tokens():
+    spec = train_step.bench_spec(tiny=True, audio=True)
+    aud = spec.encoders[1]
+    table = synthesize("vision-audio", 24, seed=2)
+    costs = per_sample_costs(table, spec)
+    rows = np.flatnonzero(np.diff(table.audio_offsets) > 0)[:4]
+    assert len(rows)
+    g = torch.Generator().manual_seed(0)
+    ai = model.build_audio_inputs(
+        table, aud, rows, torch.device("cpu"), torch.float32, g, spec.llm.hidden
+    )
+    assert ai.plan.total == int(costs.encoder_tokens[rows, 1].sum())
+    tower = model.AudioTower(aud, spec.llm.hidden)
+    y = tower.forward_inputs(ai)
+    assert y.shape == (int(costs.audio_tokens[rows].sum()), spec.llm.hidden) == ai.grad_out.shape
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_tiny_cpu_vision_audio_run(tmp_path):
+    out = tmp_path / "va.json"
+    train_step.main(["--device", "cpu", "--tiny", "--workload", "vision-audio", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert set(data["calibration"]) == {"tiny-vit", "tiny-audio", "llm"}
+    for m in ("sequential", "entrain"):
+        per = data["methods"][m]["per_encoder"]
+        assert per["tiny-audio"]["fwd"]["mean_ms"] > 0
+        total = sum(x["encoder_fwd"] for x in data["methods"][m]["microbatches"])
+        parts = sum(
+            x["per_encoder"][e]["fwd"] for x in data["methods"][m]["microbatches"] for e in per
+        )
+        assert total == pytest.approx(parts)
