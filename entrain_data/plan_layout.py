@@ -63,7 +63,7 @@ def split_chain(costs: list[float], k: int) -> list[int] | None:
         return cuts if len(cuts) <= k else None
 
     lo, hi = float(c.max()), float(c.sum())
-    for _ in range(50):
+    while hi - lo > 1e-6 * hi:
         mid = (lo + hi) / 2
         if cuts_for(mid) is None:
             lo = mid
@@ -143,15 +143,17 @@ def stage_params(model: ModelSpec, st: StagePlan) -> tuple[float, float]:
 
 
 def memory_gb(
-    model, stages, tp, dp, m, max_tokens, enc_tokens, defer_budget, recompute=False
+    model, stages, tp, dp, m, max_tokens, enc_tokens, defer_budget, recompute=False, params=None
 ) -> tuple[float, ...]:
+    """GB per GPU of every stage (see the module docstring); ``params``: stage_params per stage."""
     pp = len(stages)
+    params = params if params is not None else [stage_params(model, st) for st in stages]
     out = []
     receives_encoder_output = next(
         (i for i, st in enumerate(stages) if any(s.encoder_index is None for s in st.segments)), 0
     )
     for s, st in enumerate(stages):
-        train, frozen = stage_params(model, st)
+        train, frozen = params[s]
         weights = (train * (6 + 12 / dp) + frozen * 2) / tp
         inflight = min(m, pp - s)
         act = 0.0

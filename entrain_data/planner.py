@@ -94,7 +94,8 @@ def _tp_speedup(tp: int) -> float:
     return tp * TP_EFFICIENCY ** math.log2(tp)
 
 
-def _analytic(stages, tp, dp, m, cluster, model, mean_tokens_mb) -> float:
+def _analytic(stages, tp, dp, m, cluster, model, mean_tokens_mb, params) -> float:
+    """``(M + S - 1)`` x the slowest stage's mean microbatch (+ p2p), plus the DP sync."""
     loads = np.array([st.expected_load for st in stages]) / (dp * m) / _tp_speedup(tp)
     pp = len(stages)
     bw_p2p = (
@@ -102,14 +103,17 @@ def _analytic(stages, tp, dp, m, cluster, model, mean_tokens_mb) -> float:
     ) * 1e9
     p2p = 2 * mean_tokens_mb * model.llm.hidden * 2 / bw_p2p if pp > 1 else 0.0
     per_mb = loads.max() + p2p + OVERHEAD_PER_MICROBATCH
-    return (m + pp - 1) * per_mb + _sync_time(stages, tp, dp, cluster, model)
+    return (m + pp - 1) * per_mb + _sync_time(params, tp, dp, cluster)
 
 
-def _sync_time(stages, tp: int, dp: int, cluster: Cluster, model: ModelSpec) -> float:
-    """DP all-reduce of the largest stage's bf16 gradients (ring: 2 (dp-1)/dp of the bytes)."""
+def _sync_time(params: list[tuple[float, float]], tp: int, dp: int, cluster: Cluster) -> float:
+    """DP all-reduce of the largest stage's bf16 gradients (ring: 2 (dp-1)/dp of the bytes).
+
+    ``params``: (trainable, frozen) parameters of every stage.
+    """
     if dp == 1:
         return 0.0
-    grads = max(stage_params(model, st)[0] for st in stages) * 2 / tp
+    grads = max(p[0] for p in params) * 2 / tp
     bw = (
         cluster.intra_node_gbps if tp * dp <= cluster.gpus_per_node else cluster.inter_node_gbps
     ) * 1e9
@@ -176,7 +180,7 @@ def make_plan(
             f"{MEMORY_HEADROOM * cluster.gpu_memory_gb:.1f} GB usable of {cluster.gpu_memory_gb:g} GB"
         )
     chosen = _to_simulate(cands, simulate_top)
-    sims, ideals = _simulate(ctx, chosen, costs, idx, seed, schedule)
+    sims, means_fb = _simulate(ctx, chosen, costs, idx, seed, schedule)
     means = sims.mean(axis=1)
     best, worst = int(np.argmin(means)), int(np.argmax(means))
     oracle = sims.min(axis=0).mean()
@@ -202,7 +206,7 @@ def make_plan(
         defer_budget=budget,
         schedule=schedule,
         expected_iteration_time=float(means[best]),
-        ideal_iteration_time=float(ideals[best]),
+        ideal_iteration_time=_ideal(means_fb[best], c.microbatches, schedule),
         oracle_gap=float(means[best] / oracle - 1.0),
         worst_static_gap=float(1.0 - means[best] / means[worst]),
         memory_gb=c.memory_gb,
@@ -327,6 +331,7 @@ def _candidates(ctx: _Context, units, dp, tp, pp, microbatches) -> tuple[list[Ca
     cands: list[Candidate] = []
     smallest_need = math.inf
     stage_cache: dict[tuple[int, int], tuple[StagePlan, ...] | None] = {}
+    params_cache: dict[tuple[int, int], list[tuple[float, float]]] = {}
     for t in tps:
         pps = [p for p in _divisors(world // t) if p <= min(len(units), MAX_STAGES)]
         if pp is not None:
@@ -343,19 +348,24 @@ def _candidates(ctx: _Context, units, dp, tp, pp, microbatches) -> tuple[list[Ca
                 stages = stage_cache[p, k]
                 if stages is None:
                     continue
+                if (p, k) not in params_cache:
+                    params_cache[p, k] = [stage_params(model, st) for st in stages]
+                params = params_cache[p, k]
                 for mm in ms:
                     cap, budget = _caps(ctx, d, mm)
                     enc_tokens = int(math.ceil(1.5 * enc_tok.sum(axis=1).max() / (d * mm)))
                     enc_tokens = max(enc_tokens, int(enc_tok.max()))
                     for rc in (False, True):  # recompute only when the layout needs it
-                        mem = memory_gb(model, stages, t, d, mm, cap, enc_tokens, budget, rc)
+                        mem = memory_gb(
+                            model, stages, t, d, mm, cap, enc_tokens, budget, rc, params
+                        )
                         smallest_need = min(smallest_need, max(mem))
                         if max(mem) <= MEMORY_HEADROOM * cluster.gpu_memory_gb:
                             break
                     else:
                         continue
                     mean_tokens = ctx.tokens_b.sum(axis=1).mean() / (d * mm)
-                    at = _analytic(stages, t, d, mm, cluster, model, mean_tokens)
+                    at = _analytic(stages, t, d, mm, cluster, model, mean_tokens, params)
                     at *= RECOMPUTE_SLOWDOWN if rc else 1.0
                     cands.append(Candidate(t, p, d, mm, stages, mem, at, rc, k))
     cands.sort(key=lambda c: c.analytic_time)
@@ -386,7 +396,7 @@ def _to_simulate(cands: list[Candidate], top: int) -> list[Candidate]:
     return chosen
 
 
-def _simulate(ctx: _Context, chosen, costs, idx, seed, schedule) -> tuple[np.ndarray, np.ndarray]:
+def _simulate(ctx: _Context, chosen, costs, idx, seed, schedule) -> tuple[np.ndarray, list]:
     """[C, K] simulated iteration seconds of every chosen layout on every profiled batch.
 
     Assignments depend on (dp, microbatches) only and per-stage sample costs on
@@ -395,7 +405,7 @@ def _simulate(ctx: _Context, chosen, costs, idx, seed, schedule) -> tuple[np.nda
     enc_cost, llm_cost = costs.encoder_cost(), costs.llm_cost()
     tok = costs.llm_tokens.astype(np.int64)
     sims = np.zeros((len(chosen), len(idx)))
-    ideals = np.zeros(len(chosen))
+    means_fb = []  # per candidate, per batch: (per-stage mean fwd [S], mean bwd [S], sync)
     assignments: dict[tuple[int, int], list] = {}
     per_stage: dict[int, tuple] = {}
     for ci, c in enumerate(chosen):
@@ -420,8 +430,9 @@ def _simulate(ctx: _Context, chosen, costs, idx, seed, schedule) -> tuple[np.nda
         skey = id(c.stages)
         if skey not in per_stage:
             per_stage[skey] = stage_sample_costs(costs, c.stages)
-        sync = _sync_time(c.stages, c.tp, c.dp, ctx.cluster, ctx.model)
-        ideal_acc = 0.0
+        params = [stage_params(ctx.model, st) for st in c.stages]
+        sync = _sync_time(params, c.tp, c.dp, ctx.cluster)
+        acc = []
         for k, b in enumerate(idx):
             a = assignments[akey][k]
             f, bw = times_from_sample_costs(a, per_stage[skey], b, _tp_speedup(c.tp))
@@ -429,9 +440,21 @@ def _simulate(ctx: _Context, chosen, costs, idx, seed, schedule) -> tuple[np.nda
                 bw = bw + f
             f, bw = _add_comm(f, bw, c, ctx, set_loads(a.llm_sets, tok[b]))
             sims[ci, k] = simulate_pipeline(f, bw, schedule).iteration_time + sync
-            ideal_acc += ideal_iteration_time(f, bw, schedule) + sync
-        ideals[ci] = ideal_acc / len(idx)
-    return sims, ideals
+            acc.append((f.mean(axis=(0, 1)), bw.mean(axis=(0, 1)), sync))
+        means_fb.append(acc)
+    return sims, means_fb
+
+
+def _ideal(per_batch: list, m: int, schedule: str) -> float:
+    """Mean over the batches of the iteration with every microbatch at its stage's mean."""
+    times = [
+        ideal_iteration_time(
+            np.broadcast_to(f, (1, m, len(f))), np.broadcast_to(b, (1, m, len(b))), schedule
+        )
+        + sync
+        for f, b, sync in per_batch
+    ]
+    return float(np.mean(times))
 
 
 def _add_comm(f, b, c: Candidate, ctx: _Context, mb_tokens: np.ndarray) -> tuple:
