@@ -208,7 +208,18 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--llm-layers", type=int, default=None)
     p.add_argument("--audio-layers", type=int, default=None, help="audio workloads")
     p.add_argument("--text-scale", type=int, default=None, help="divide text lengths by this")
-    p.add_argument("--recompute", choices=("auto", "on", "off"), default="auto")
+    p.add_argument(
+        "--recompute",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="activation recompute per layer (auto: on for cuda)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "bf16", "fp32"),
+        default="auto",
+        help="weights and activations (auto: bf16 on cuda, fp32 on cpu)",
+    )
     p.add_argument("--threads", type=int, default=None, help="CPU threads (tiny: 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="JSON path")
@@ -279,7 +290,8 @@ def main(argv: list[str] | None = None) -> dict:
         torch.backends.cudnn.allow_tf32 = True
         torch.backends.cuda.enable_flash_sdp(True)
         torch.backends.cuda.enable_mem_efficient_sdp(True)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    bf16 = a.dtype == "bf16" or (a.dtype == "auto" and device.type == "cuda")
+    dtype = torch.bfloat16 if bf16 else torch.float32
     recompute = a.recompute == "on" or (a.recompute == "auto" and device.type == "cuda")
 
     raw = synthesize(a.workload, a.global_batch * a.iterations, a.seed)
@@ -370,6 +382,8 @@ def _report(a, spec, table, methods, per, params, device) -> dict:
             "max_tokens": a.max_tokens,
             "defer_budget": a.defer_budget,
             "text_scale": a.text_scale,
+            "dtype": a.dtype,
+            "recompute": a.recompute,
             "seed": a.seed,
             "methods": methods,
         },  # fmt: skip

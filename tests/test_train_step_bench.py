@@ -191,3 +191,24 @@ def test_tiny_cpu_vision_audio_run(tmp_path):
             x["per_encoder"][e]["fwd"] for x in data["methods"][m]["microbatches"] for e in per
         )
         assert total == pytest.approx(parts)
+
+
+def test_recompute_and_chunked_loss_do_not_change_gradients():
+    spec = train_step.bench_spec(tiny=True)
+    table = synthesize("qwen2vl-dynamic", 6, seed=4)
+    costs = per_sample_costs(table, spec)
+    g = torch.Generator().manual_seed(0)
+    li = model.build_llm_inputs(
+        spec.llm, costs.llm_tokens, costs.vision_tokens, np.arange(6), torch.device("cpu"),
+        torch.float32, g,
+    )  # fmt: skip
+    grads = []
+    for recompute, chunk in ((False, 1 << 20), (True, 97)):
+        torch.manual_seed(0)
+        llm = model.DecoderLLM(spec.llm, recompute=recompute, loss_chunk=chunk)
+        media = li.media.detach().clone().requires_grad_(True)
+        loss = llm(li.input_ids, li.labels, media, li.media_mask, li.plan)
+        loss.backward()
+        grads.append((loss.detach(), media.grad, llm.layers[0].qkv.weight.grad))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
