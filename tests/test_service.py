@@ -277,7 +277,7 @@ def test_sample_error_skip_counts_and_writes_keys(tmp_path):
     assert "s0-0003" in text and "s1-0010" in text
 
 
-@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("sig", [pytest.param("SIGINT", marks=pytest.mark.slow), "SIGTERM"])
 def test_signal_stops_service_and_workers_without_leftovers(tmp_path, dataset, sig):
     import signal
 
