@@ -12,9 +12,16 @@ error), and feeds them to the pipeline simulator (1 encoder stage + K LLM
 stages) for a simulated iteration time per method.
 
 GPU (default when CUDA is present): a Qwen2.5-VL-shaped ViT (16 layers, ~330M
-parameters) and Llama-3.2-1B, bf16 weights, activation recompute per layer.
+parameters) and Llama-3.2-1B, bf16 weights, activation recompute per layer,
+flash / memory-efficient SDPA only. Audio workloads (``--workload
+vision-audio``) add a Whisper-large-v3-shaped audio encoder (16 layers); the
+encoder stage's time is then the sum of both encoders (per encoder in the JSON).
 CPU CI mode: ``python bench/train_step.py --device cpu --tiny`` (tiny dims,
-images capped at 256 patches, text lengths / 16), a few seconds.
+images capped at 256 patches, 3 s audio windows, text lengths / 16), seconds.
+
+The simulated pipeline holds the encoder(s) on one stage and splits the
+measured LLM times evenly over K stages; the encoder stage's backward is
+timed on the samples whose gradient arrives with L_j (split backward).
 """
 
 from __future__ import annotations
@@ -24,7 +31,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import math
 import sys
 import time
 from functools import partial
@@ -408,7 +414,7 @@ def _report(a, spec, table, methods, per, params, device) -> dict:
             m: {
                 k: out["methods"]["sequential"][k]["std_ms"] / out["methods"][m][k]["std_ms"]
                 if out["methods"][m][k]["std_ms"] > 0
-                else math.inf
+                else None
                 for k in MEASURES
             }
             for m in methods
@@ -456,7 +462,7 @@ def _report(a, spec, table, methods, per, params, device) -> dict:
             base = sim[str(k)]["sequential"]["iteration_time_s"]
             for m in methods:
                 t = sim[str(k)][m]["iteration_time_s"]
-                sim[str(k)][m]["speedup_vs_sequential"] = base / t if t > 0 else math.inf
+                sim[str(k)][m]["speedup_vs_sequential"] = base / t if t > 0 else None
     out["simulation"] = sim
     return out
 
@@ -476,7 +482,8 @@ def _print_table(res: dict) -> None:
         cells = "".join(f"{s[k]['mean_ms']:>15.2f} /{s[k]['std_ms']:>9.2f}" for k in MEASURES)
         print(f"{m:<22}{cells}")
     for m, r in res.get("std_ratio_vs_sequential", {}).items():
-        print(f"std sequential/{m:<11}" + "".join(f"{r[k]:>26.2f}" for k in MEASURES))
+        cells = "".join(f"{r[k]:>26.2f}" if r[k] is not None else f"{'-':>26}" for k in MEASURES)
+        print(f"std sequential/{m:<11}" + cells)
     print("cost-model fit (rel RMS error, R^2):")
     for mod, d in res["calibration"].items():
         for phase, f in d.items():
