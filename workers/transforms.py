@@ -149,7 +149,8 @@ class AudioTransform:
         self.cfg = cfg
         self.sample_rate = sample_rate
         self.hop = int(round(sample_rate / cfg.audio_frame_rate))
-        self.n_fft = int(round(0.025 * sample_rate))
+        # Whisper's 25 ms window; never shorter than the hop, so no sample is skipped at low rates
+        self.n_fft = max(int(round(0.025 * sample_rate)), self.hop)
         self.n_mels = cfg.n_mels
 
     @cached_property
