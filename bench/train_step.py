@@ -54,7 +54,13 @@ from _train_step_model import (  # noqa: E402
 )
 
 from entrain_data.assignment import assign  # noqa: E402
-from entrain_data.cost_model import ModelSpec, calibrate, load_module, per_sample_costs  # noqa: E402
+from entrain_data.cost_model import (
+    Calibration,
+    ModelSpec,
+    calibrate,
+    load_module,
+    per_sample_costs,
+)  # noqa: E402
 from entrain_data.metadata import SampleTable  # noqa: E402
 from entrain_data.simulator import ideal_iteration_time, lower_bound, simulate_pipeline  # noqa: E402
 from entrain_data.workloads import synthesize  # noqa: E402
@@ -357,8 +363,10 @@ def main(argv: list[str] | None = None) -> dict:
         result["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1))
+    cal_path = a.out.with_name(a.out.stem + "_calibration.json")
+    cal_path.write_text(json.dumps(result["calibration_file"], indent=1))
     _print_table(result)
-    print(f"wrote {a.out} ({result['wall_seconds']:.1f} s)")
+    print(f"wrote {a.out} and {cal_path.name} ({result['wall_seconds']:.1f} s)")
     return result
 
 
@@ -435,6 +443,11 @@ def _report(a, spec, table, methods, per, params, device) -> dict:
             "step": _fit(table, spec, module, groups, step, "step"),
         }
     out["calibration"] = cal
+    # the step fits, in the form `entrain-data profile/plan --calibration` reads
+    step_fits = {m: d["step"] for m, d in cal.items() if "error" not in d["step"]}
+    out["calibration_file"] = Calibration.from_dict(
+        {"hardware": f"measured:{out['config']['gpu'] or device}", "modules": step_fits}
+    ).to_dict()
     # pipeline simulation: 1 encoder stage + K LLM stages (LLM times split evenly)
     sim: dict = {}
     for k in [int(s) for s in a.llm_stages.split(",") if s.strip()]:

@@ -73,6 +73,15 @@ def test_tiny_cpu_run_writes_sensible_json(tmp_path):
             assert v["iteration_time_s"] >= v["lower_bound_s"] * (1 - 1e-9), (k, m)
         assert sims["sequential"]["speedup_vs_sequential"] == pytest.approx(1.0)
     assert res["simulation"] == data["simulation"]
+    # the saved calibration re-applies to the cost model
+    cal = json.loads((tmp_path / "ts_calibration.json").read_text())
+    spec = train_step.bench_spec(tiny=True)
+    table = synthesize("qwen2vl-dynamic", 4, seed=0)
+    calibrated = per_sample_costs(table, spec, calibration=cal)
+    assert np.all(np.isfinite(calibrated.encoder_cost())) and set(cal["modules"]) == {
+        "tiny-vit",
+        "llm",
+    }
 
 
 def test_varlen_attention_matches_per_segment_reference():
