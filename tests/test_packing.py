@@ -286,3 +286,15 @@ def test_user_transform_hook(demo):
     loud = make_packer(str(index), model=MODEL, transform=shout)([], [0])
     assert len(plain.tensors["input_ids"]) == len(loud.tensors["input_ids"])
     assert not np.array_equal(plain.tensors["input_ids"], loud.tensors["input_ids"])
+
+
+def test_skip_is_consistent_across_deferral(tmp_path, shared_data):
+    """Encoded in one task, consumed in another: both drop a sample whose image fails."""
+    broken = (shared_data / "images_misc" / "broken" / "truncated_image.png").read_bytes()
+    index, _ = _bad_index(tmp_path, {"bad": {"png": broken, "txt": b"caption"}})
+    enc_side = make_packer(str(index), model=MODEL, on_error="skip")([0, 1], [0])
+    llm_side = make_packer(str(index), model=MODEL, on_error="skip")([], [1])
+    assert [s["key"] for s in enc_side.skipped] == [s["key"] for s in llm_side.skipped] == ["bad"]
+    assert llm_side.llm_keys == [] and enc_side.encoder_keys == ["ok"]
+    # raise policy: an LLM-only pack does not decode media, so it cannot notice
+    assert make_packer(str(index), model=MODEL)([], [1]).llm_keys == ["bad"]

@@ -9,7 +9,9 @@ Public API (stable; the worker processes call :func:`make_packer`):
   either, the presets ``qwen2.5-vl-vision`` and ``whisper-large-v3-encoder`` are used.
 - ``SamplePacker(encoder_rows, llm_rows) -> Packed`` (``workers.worker.Packed``): table rows in,
   tensors named as in :mod:`entrain_data.batch` out; with ``on_error="skip"`` bad samples are left
-  out of both sets and listed in ``Packed.skipped``.
+  out of both sets and listed in ``Packed.skipped``. ``validate_deferred`` (default: on with
+  ``skip``, off with ``raise``) decodes an LLM-only sample's media too, only to reach the same
+  skip decision as the microbatch that encodes it; with ``raise`` nothing of it is decoded.
 - ``DecodedSample``: what a user ``transform(sample) -> sample`` receives (after decode, before
   patching / mel / tokenisation). ``llm_only`` samples carry text only.
 - ``EncoderInput``, ``LLMInput`` and ``pack_microbatch(encoder, llm, *, image_token_id,
@@ -195,6 +197,7 @@ class SamplePacker:
         transform: Callable[[DecodedSample], DecodedSample] | None = None,
         on_error: str = "raise",
         max_open: int = 64,
+        validate_deferred: bool | None = None,
     ) -> None:
         if on_error not in ("raise", "skip"):
             raise InvalidInput(f"on_error must be 'raise' or 'skip', got {on_error!r}")
@@ -204,6 +207,13 @@ class SamplePacker:
         self.tokenizer = tokenizer
         self.transform = transform
         self.on_error = on_error
+        # skip policy: an LLM-only sample whose media fail in the microbatch that encodes it
+        # (another task, maybe another worker) must be skipped here too, or its placeholders
+        # would wait for encoder output that never comes; decoding it again (the same
+        # deterministic check) gives both sides the same decision without talking to each other
+        self.validate_deferred = (
+            on_error == "skip" if validate_deferred is None else validate_deferred
+        )
         self.sources = SourceCache(max_open)
 
     # ---------------------------------------------------------------- reading
@@ -233,12 +243,13 @@ class SamplePacker:
     def _decode(self, row: int, llm_only: bool) -> DecodedSample:
         key, src = str(self.table.keys[row]), str(self.table.sources[row])
         try:
-            kinds = ("text",) if llm_only else ("text", "image", "audio")
+            media = not llm_only or self.validate_deferred
+            kinds = ("text", "image", "audio") if media else ("text",)
             members = self._members(row, kinds)
             segments = tuple(decode.text_segments(members))
             images: list[np.ndarray] = []
             audio: list[np.ndarray] = []
-            if not llm_only:
+            if media:
                 sizes, secs = self._items(row)
                 img_exts = sorted(e for e in members if decode.member_kind(e) == "image")
                 aud_exts = sorted(e for e in members if decode.member_kind(e) == "audio")
@@ -260,6 +271,8 @@ class SamplePacker:
             raise
         except ValueError as exc:
             raise SampleError(f"{src}: sample {key!r}: {exc}", source=src, key=key) from exc
+        if llm_only:  # decoded for validation only: an LLM-only sample carries its text
+            images, audio = [], []
         sample = DecodedSample(key, src, segments, tuple(images), tuple(audio), llm_only)
         if self.transform is not None:
             sample = self.transform(sample)
@@ -355,6 +368,7 @@ def make_packer(
     audio: Any = None,
     tokenizer: Any = None,
     max_open: int = 64,
+    validate_deferred: bool | None = None,
 ) -> SamplePacker:
     """The default packer of a worker process: reads ``index_path`` once (see module doc)."""
     table = read_index(index_path)
@@ -367,4 +381,5 @@ def make_packer(
         transform=transform,
         on_error=on_error,
         max_open=max_open,
+        validate_deferred=validate_deferred,
     )
