@@ -103,3 +103,85 @@ def test_loader_arguments_are_checked():
         EntrainLoader("ipc:///nonexistent", -1)
     with pytest.raises(ValueError, match="prefetch"):
         EntrainLoader("ipc:///nonexistent", 0, prefetch=0)
+
+
+def _cli(*args, **kw):
+    import subprocess
+    import sys
+
+    return subprocess.Popen(
+        [sys.executable, "-m", "entrain_data.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kw,
+    )
+
+
+def test_cli_index_then_serve_until_the_epoch_ends(tmp_path, demo_index):
+    shards = sorted(str(p) for p in (demo_index.parent / "shards").glob("*.tar"))
+    index = tmp_path / "index.parquet"
+    p = _cli("index", *shards, "-o", str(index), "-q")
+    assert p.wait(120) == 0, p.stdout.read()
+    assert len(read_index(index)) == len(read_index(demo_index))
+    plan = tmp_path / "plan.json"
+    demo_plan(dp=2).save(plan)
+    sock = tmp_path / "svc.sock"
+    srv = _cli(
+        "serve",
+        "--index",
+        str(index),
+        "--plan",
+        str(plan),
+        "--endpoint",
+        f"ipc://{sock}",
+        "--workers",
+        "1",
+        "--stats-interval",
+        "0",
+    )
+    try:
+        loaders = [EntrainLoader(f"ipc://{sock}", r, timeout=90) for r in (0, 1)]
+        got = [k for ld in loaders for m in ld for k in m.llm_keys]
+        assert sorted(got) == sorted(read_index(index).keys)
+        for ld in loaders:
+            ld.close()
+        assert srv.wait(30) == 0
+        out = srv.stdout.read()
+        assert "samples 16" in out and "microbatches 8" in out
+    finally:
+        if srv.poll() is None:
+            srv.kill()
+    assert not sock.exists()
+
+
+def test_cli_serve_stops_on_sigint_and_reports_bad_input(tmp_path, demo_index):
+    import signal
+
+    plan = tmp_path / "plan.json"
+    demo_plan(dp=2).save(plan)
+    sock = tmp_path / "svc.sock"
+    srv = _cli(
+        "serve",
+        "--index",
+        str(demo_index),
+        "--plan",
+        str(plan),
+        "--endpoint",
+        f"ipc://{sock}",
+        "--workers",
+        "1",
+    )
+    try:
+        ld = EntrainLoader(f"ipc://{sock}", 0, timeout=90)
+        next(iter(ld))
+        srv.send_signal(signal.SIGINT)
+        assert srv.wait(30) == 0
+        ld.close()
+    finally:
+        if srv.poll() is None:
+            srv.kill()
+    assert not sock.exists()
+    bad = _cli("serve", "--index", str(tmp_path / "nope.parquet"), "--plan", str(plan))
+    assert bad.wait(60) == 2
+    assert "nope.parquet" in bad.stdout.read()

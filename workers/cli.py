@@ -1,0 +1,179 @@
+"""``entrain-data index`` and ``entrain-data serve`` (registered through the entry-point group)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from entrain_data.errors import InvalidInput
+
+__all__ = ["register", "cmd_index", "cmd_serve", "format_stats"]
+
+log = logging.getLogger(__name__)
+
+
+def format_stats(stats: dict[str, Any]) -> str:
+    """One line a person can read: served, rate, queues, skipped, assignment latency, workers."""
+    up = max(float(stats.get("uptime_s", 0.0)), 1e-9)
+    q = stats.get("queue", {})
+    lat = stats.get("assignment_latency_s", {})
+    workers = " ".join(
+        f"w{w['worker']}:{w['samples_per_s']:.1f}/s(gen{w['generation']})"
+        for w in stats.get("workers", [])
+    )
+    return (
+        f"[{stats.get('state', '?')} {up:.0f}s] microbatches {stats['microbatches_served']} "
+        f"samples {stats['samples_served']} ({stats['samples_served'] / up:.1f}/s) "
+        f"bytes {stats['bytes_served'] / 1e6:.1f} MB ({stats['bytes_served'] / 1e6 / up:.2f} MB/s) "
+        f"queue ready/queued/in-flight {q.get('ready', 0)}/{q.get('queued', 0)}/{q.get('in_flight', 0)} "
+        f"skipped {stats['skipped_samples']} reissued {stats['tasks_reissued']} "
+        f"rejected {stats['rejected_messages']} "
+        f"assign {1e3 * lat.get('mean', 0.0):.1f} ms mean / {1e3 * lat.get('max', 0.0):.1f} ms max | "
+        f"{workers}"
+    )
+
+
+def cmd_index(args: argparse.Namespace) -> int:
+    from entrain_data.metadata import write_index
+
+    from .index_builder import build_index
+
+    columns = None
+    if args.columns:
+        columns = {}
+        for item in args.columns:
+            field, sep, column = item.partition("=")
+            if not sep:
+                raise InvalidInput(f"--column must be FIELD=COLUMN, got {item!r}")
+            columns[field] = column
+    skipped: list[dict[str, str]] = []
+    table = build_index(
+        args.inputs,
+        tokenizer=args.tokenizer,
+        progress=not args.quiet,
+        on_error=args.on_error,
+        parquet_columns=columns,
+        skipped=skipped,
+    )
+    write_index(table, args.output)
+    print(
+        f"wrote {args.output}: {len(table)} samples, {int(table.image_counts.sum())} images, "
+        f"{int(table.audio_counts.sum())} audio clips"
+    )
+    if skipped:
+        print(f"skipped {len(skipped)} sample(s)", file=sys.stderr)
+        if args.skipped:
+            Path(args.skipped).write_text("".join(json.dumps(s) + "\n" for s in skipped))
+    return 0
+
+
+def _curve_keys(args: argparse.Namespace) -> tuple[bytes | None, bytes | None]:
+    if not args.curve_secret_key:
+        return None, None
+    import zmq
+
+    secret = Path(args.curve_secret_key).read_bytes().strip()
+    if len(secret) != 40:
+        raise InvalidInput(f"{args.curve_secret_key}: expected a 40-character Z85 CURVE secret key")
+    return secret, zmq.curve_public(secret)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .service import make_config, serve_foreground
+
+    secret, public = _curve_keys(args)
+    cfg = make_config(
+        plan=args.plan,
+        index=args.index,
+        endpoint=args.endpoint,
+        workers=args.workers,
+        seed=args.seed,
+        epochs=args.epochs,
+        on_error=args.on_error,
+        skipped_path=args.skipped,
+        curve_secret_key=secret,
+        curve_public_key=public,
+        window=args.window,
+        stats_interval=args.stats_interval,
+    )
+    print(
+        f"entrain-data serve: {cfg.endpoint} ({args.workers} workers, seed {args.seed}, "
+        f"{args.epochs} epoch(s)); Ctrl-C to stop",
+        flush=True,
+    )
+    if public is not None:
+        print(f"CURVE public key (give it to clients): {public.decode()}", flush=True)
+    t0 = time.monotonic()
+    stats = serve_foreground(cfg, on_stats=lambda s: print(format_stats(s), flush=True))
+    print(format_stats(stats), flush=True)
+    print(f"stopped after {time.monotonic() - t0:.1f}s", flush=True)
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``index`` and ``serve`` to the ``entrain-data`` parser."""
+    p = subparsers.add_parser("index", help="build the Parquet index of WebDataset shards / tables")
+    p.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="SHARDS_OR_TABLES",
+        help="tar shards (brace patterns allowed) and Parquet tables",
+    )
+    p.add_argument("-o", "--output", required=True, metavar="INDEX", help="output Parquet index")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="Hugging Face tokenizer name or path (default: a fast estimate)",
+    )
+    p.add_argument(
+        "--column",
+        dest="columns",
+        action="append",
+        metavar="FIELD=COLUMN",
+        help="map an index field to a Parquet column (repeatable)",
+    )
+    p.add_argument("--on-error", choices=("raise", "skip"), default="raise")
+    p.add_argument("--skipped", metavar="PATH", help="write skipped samples (JSON lines) here")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(handler=cmd_index)
+
+    p = subparsers.add_parser("serve", help="run the loader service in the foreground")
+    p.add_argument("--index", required=True, metavar="INDEX")
+    p.add_argument(
+        "--plan", required=True, metavar="PLAN", help="plan.json from `entrain-data plan`"
+    )
+    p.add_argument(
+        "--endpoint",
+        default=None,
+        help="ipc://PATH or tcp://HOST:PORT (default: ipc in a temp dir)",
+    )
+    p.add_argument("--workers", type=int, default=2, metavar="N")
+    p.add_argument("--seed", type=int, default=0, metavar="S")
+    p.add_argument("--epochs", type=int, default=1, metavar="E")
+    p.add_argument("--on-error", choices=("raise", "skip"), default="raise")
+    p.add_argument(
+        "--skipped",
+        metavar="PATH",
+        help="with --on-error skip: append skipped keys (JSON lines) here",
+    )
+    p.add_argument(
+        "--window", type=int, default=4, help="microbatches per rank prepared ahead (bounds memory)"
+    )
+    p.add_argument(
+        "--stats-interval",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="print counters this often (0: only at the end)",
+    )
+    p.add_argument(
+        "--curve-secret-key",
+        metavar="PATH",
+        help="file holding the server's Z85 CURVE secret key (tcp encryption + auth)",
+    )
+    p.set_defaults(handler=cmd_serve)
