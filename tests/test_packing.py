@@ -298,3 +298,42 @@ def test_skip_is_consistent_across_deferral(tmp_path, shared_data):
     assert llm_side.llm_keys == [] and enc_side.encoder_keys == ["ok"]
     # raise policy: an LLM-only pack does not decode media, so it cannot notice
     assert make_packer(str(index), model=MODEL)([], [1]).llm_keys == ["bad"]
+
+
+def test_parquet_table_rows_pack_like_shards(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    def png(h, w):
+        buf = io.BytesIO()
+        Image.new("RGB", (w, h), (10, 200, 30)).save(buf, format="PNG")
+        return buf.getvalue()
+
+    wav = io.BytesIO()
+    import soundfile as sf
+
+    sf.write(wav, np.zeros(16000 * 2, np.float32), 16000, format="WAV")
+    path = tmp_path / "t.parquet"
+    pq.write_table(
+        pa.table(
+            {
+                "caption": ["one image", "two images", "a clip"],
+                "images": [[png(60, 90)], [png(100, 40), png(30, 30)], []],
+                "audio": [[], [], [wav.getvalue()]],
+            }
+        ),
+        path,
+        row_group_size=2,
+    )
+    cols = {"text": "caption", "image": "images", "audio": "audio"}
+    table = build_index(path, parquet_columns=cols, progress=False)
+    assert list(table.image_height) == [60, 100, 30] and list(table.image_width) == [90, 40, 30]
+    assert list(table.audio_seconds) == [2.0]
+    index = write_index(table, tmp_path / "i.parquet")
+    packer = make_packer(str(index), model=MODEL, parquet_columns=cols)
+    out = packer([0, 1, 2], [0, 1, 2])
+    assert out.tensors["image_grid_thw"].shape == (3, 3) and out.tensors[
+        "audio_lengths"
+    ].tolist() == [200]
+    _check_invariants(out.tensors, out.llm_keys, [0, 1, 2], table, packer)

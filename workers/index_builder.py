@@ -17,7 +17,9 @@ skipped=None) -> SampleTable``
 - Tables: ``parquet_columns`` maps roles to column names: ``key`` (default: ``"<file>:<row>"``),
   ``text`` (string column, tokenised as above; default ``"text"`` if present), ``text_tokens``
   (precomputed counts, instead of ``text``), ``image_height`` / ``image_width`` (int or list of
-  ints per row), ``image_frames`` (same shape; default 1), ``audio_seconds`` (float or list).
+  ints per row), ``image_frames`` (same shape; default 1), ``audio_seconds`` (float or list);
+  or ``image`` / ``audio``: columns of encoded bytes (or lists of them, or Hugging Face
+  ``{"bytes": ...}`` structs), whose sizes are then read from their headers.
 - ``on_error``: ``raise`` stops at the first bad sample with a SampleError naming shard and key;
   ``skip`` leaves it out, logs it and appends ``{"key", "source", "error"}`` to ``skipped``.
 
@@ -38,7 +40,7 @@ from entrain_data.errors import InvalidInput, SampleError
 from entrain_data.metadata import SampleMeta, SampleTable, VisionItem
 
 from . import decode
-from .sources import PARQUET_SUFFIXES, TarShard, expand_paths
+from .sources import PARQUET_SUFFIXES, TarShard, expand_paths, row_members
 from .tokenizer import TextTokenizer, as_tokenizer, count_text_tokens
 
 __all__ = ["build_index", "index_shard", "index_parquet", "sample_meta_from_members"]
@@ -142,17 +144,26 @@ def index_parquet(
                 if text is None:
                     raise ValueError("text is null")
                 n_text = count_text_tokens([decode.TextSegment(str(text), True)], tokenizer)
+            blobs = row_members({c: data[r][row] for r, c in cols.items()}, cols)
+            heads = [(e, decode.member_payload(e, b)) for e, b in sorted(blobs.items())]
             hs = _as_list(data.get("image_height", [None] * table.num_rows)[row])
             ws = _as_list(data.get("image_width", [None] * table.num_rows)[row])
             fs = _as_list(data.get("image_frames", [None] * table.num_rows)[row]) or [1] * len(hs)
+            if "image" in cols and "image_height" not in cols:  # sizes from the image headers
+                sizes = [decode.image_size(b) for e, b in heads if decode.member_kind(e) == "image"]
+                hs, ws, fs = [h for h, _ in sizes], [w for _, w in sizes], [1] * len(sizes)
             if not (len(hs) == len(ws) == len(fs)):
                 raise ValueError(f"image columns list {len(hs)}/{len(ws)}/{len(fs)} items")
             images = tuple(VisionItem(int(f), int(h), int(w)) for f, h, w in zip(fs, hs, ws))
             secs = tuple(
                 float(s) for s in _as_list(data.get("audio_seconds", [None] * table.num_rows)[row])
             )
+            if "audio" in cols and "audio_seconds" not in cols:  # durations from the headers
+                secs = tuple(
+                    decode.audio_seconds(b) for e, b in heads if decode.member_kind(e) == "audio"
+                )
             out.append(SampleMeta(key, path, n_text, images, secs, member="", row=row))
-        except (ValueError, TypeError, InvalidInput) as exc:
+        except (ValueError, TypeError, InvalidInput, SampleError) as exc:
             err = SampleError(f"{path}: row {row} (key {key!r}): {exc}", source=path, key=key)
             if on_error == "raise":
                 raise err from exc

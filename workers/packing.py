@@ -12,6 +12,8 @@ Public API (stable; the worker processes call :func:`make_packer`):
   out of both sets and listed in ``Packed.skipped``. ``validate_deferred`` (default: on with
   ``skip``, off with ``raise``) decodes an LLM-only sample's media too, only to reach the same
   skip decision as the microbatch that encodes it; with ``raise`` nothing of it is decoded.
+  Parquet rows: ``parquet_columns`` maps ``text`` (default ``"text"``), ``image`` and ``audio``
+  (bytes or lists of bytes) to columns, as :func:`.sources.row_members` reads them.
 - ``DecodedSample``: what a user ``transform(sample) -> sample`` receives (after decode, before
   patching / mel / tokenisation). ``llm_only`` samples carry text only.
 - ``EncoderInput``, ``LLMInput`` and ``pack_microbatch(encoder, llm, *, image_token_id,
@@ -38,7 +40,7 @@ from entrain_data.metadata import SampleTable, read_index
 from entrain_data.presets import ModelSpec, ModuleConfig, load_module
 
 from . import decode
-from .sources import SourceCache
+from .sources import SourceCache, row_members
 from .tokenizer import TextTokenizer, as_tokenizer, sample_text_ids
 from .transforms import SAMPLE_RATE, AudioTransform, VisionTransform
 
@@ -198,6 +200,7 @@ class SamplePacker:
         on_error: str = "raise",
         max_open: int = 64,
         validate_deferred: bool | None = None,
+        parquet_columns: Mapping[str, str] | None = None,
     ) -> None:
         if on_error not in ("raise", "skip"):
             raise InvalidInput(f"on_error must be 'raise' or 'skip', got {on_error!r}")
@@ -214,6 +217,7 @@ class SamplePacker:
         self.validate_deferred = (
             on_error == "skip" if validate_deferred is None else validate_deferred
         )
+        self.parquet_columns = dict(parquet_columns or {"text": "text"})
         self.sources = SourceCache(max_open)
 
     # ---------------------------------------------------------------- reading
@@ -229,13 +233,29 @@ class SamplePacker:
 
     def _members(self, row: int, kinds: Sequence[str]) -> dict[str, bytes]:
         src, member = str(self.table.sources[row]), str(self.table.members[row])
-        if not member:
-            raise SampleError(
-                f"{src}: row {int(self.table.rows[row])}: the default packer reads WebDataset shards; "
-                "pass a packer of your own for tables",
-                source=src,
-                key=str(self.table.keys[row]),
+        if not member:  # a Parquet table row
+            cols = self.parquet_columns
+            wanted = {
+                r: c for r, c in cols.items() if r in kinds and r in ("text", "image", "audio")
+            }
+            if "text" not in wanted:
+                raise SampleError(
+                    f"{src}: row {int(self.table.rows[row])}: give make_packer parquet_columns "
+                    "with at least a 'text' column",
+                    source=src,
+                    key=str(self.table.keys[row]),
+                )
+            values = self.sources.get(src).read(
+                int(self.table.rows[row]), sorted(set(cols.values()))
             )
+            try:
+                return row_members(values, wanted)
+            except SampleError as exc:
+                raise SampleError(
+                    f"{src}: row {int(self.table.rows[row])}: {exc}",
+                    source=src,
+                    key=str(self.table.keys[row]),
+                ) from exc
         shard = self.sources.get(src)
         exts = [e for e in shard.members(member) if decode.member_kind(e) in kinds]
         return shard.read(member, exts)
@@ -369,6 +389,7 @@ def make_packer(
     tokenizer: Any = None,
     max_open: int = 64,
     validate_deferred: bool | None = None,
+    parquet_columns: Mapping[str, str] | None = None,
 ) -> SamplePacker:
     """The default packer of a worker process: reads ``index_path`` once (see module doc)."""
     table = read_index(index_path)
@@ -382,4 +403,5 @@ def make_packer(
         on_error=on_error,
         max_open=max_open,
         validate_deferred=validate_deferred,
+        parquet_columns=parquet_columns,
     )

@@ -50,6 +50,7 @@ __all__ = [
     "expand_paths",
     "open_source",
     "split_member_name",
+    "row_members",
     "TAR_SUFFIXES",
     "GZIP_TAR_SUFFIXES",
     "PARQUET_SUFFIXES",
@@ -110,6 +111,36 @@ def split_member_name(name: str) -> tuple[str, str]:
     if dot < 0:
         return name, ""
     return name[:dot], name[dot + 1 :]
+
+
+def row_members(values: dict[str, Any], columns: dict[str, str]) -> dict[str, bytes]:
+    """A Parquet row as WebDataset-style members, so the same decode path serves both.
+
+    ``columns`` maps roles to column names: ``text`` (a string -> ``txt``; a list or dict, a
+    conversation -> ``json``), ``image`` (bytes or a list of bytes -> ``image000.png``... the
+    decoders sniff the real format), ``audio`` (same -> ``audio000.wav``...).
+    """
+    import json
+
+    out: dict[str, bytes] = {}
+    if "text" in columns:
+        v = values.get(columns["text"])
+        if isinstance(v, str):
+            out["txt"] = v.encode("utf-8")
+        elif v is not None:
+            out["json"] = json.dumps(v).encode("utf-8")
+    for role, name in (("image", "image{:03d}.png"), ("audio", "audio{:03d}.wav")):
+        if role not in columns:
+            continue
+        v = values.get(columns[role])
+        items = v if isinstance(v, (list, tuple)) else ([] if v is None else [v])
+        for i, item in enumerate(items):
+            if isinstance(item, dict):  # Hugging Face datasets store {"bytes": ..., "path": ...}
+                item = item.get("bytes")
+            if not isinstance(item, (bytes, bytearray)):
+                raise SampleError(f"column {columns[role]!r} item {i} is not bytes")
+            out[name.format(i)] = bytes(item)
+    return out
 
 
 class Source(Protocol):
