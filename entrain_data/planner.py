@@ -73,6 +73,8 @@ MEMORY_HEADROOM = 0.9  # share of GPU memory the plan may use
 RECOMPUTE_SLOWDOWN = 4.0 / 3.0  # full recomputation repeats the forward (f + 2f -> 2f + 2f)
 OVERHEAD_PER_MICROBATCH = 2e-4  # seconds of launch/scheduling per stage per microbatch
 MAX_STAGES = 32  # deepest pipeline searched
+SCREEN_BATCHES = 2  # profiled batches every simulated layout is scored on
+SCREEN_MARGIN = 0.10  # slower than the best by more on those: not simulated on the rest
 
 
 @dataclass(frozen=True)
@@ -181,9 +183,10 @@ def make_plan(
         )
     chosen = _to_simulate(cands, simulate_top)
     sims, means_fb = _simulate(ctx, chosen, costs, idx, seed, schedule)
-    means = sims.mean(axis=1)
-    best, worst = int(np.argmin(means)), int(np.argmax(means))
-    oracle = sims.min(axis=0).mean()
+    means = np.nanmean(sims, axis=1)
+    full = ~np.isnan(sims).any(axis=1)  # simulated on every batch (the best always is)
+    best, worst = int(np.argmin(np.where(full, means, np.inf))), int(np.argmax(means))
+    oracle = np.nanmin(sims, axis=0).mean()
     c = chosen[best]
     cap, budget = _caps(ctx, c.dp, c.microbatches)
     elapsed = time.perf_counter() - t0
@@ -234,7 +237,7 @@ def make_plan(
                     "stages": [s.module for s in x.stages],
                     "analytic_time": x.analytic_time,
                     "mean_time": float(mt),
-                    "batch_times": [float(v) for v in row],
+                    "batch_times": [None if np.isnan(v) else float(v) for v in row],
                 }
                 for x, mt, row in zip(chosen, means, sims)
             ],
@@ -373,7 +376,7 @@ def _candidates(ctx: _Context, units, dp, tp, pp, microbatches) -> tuple[list[Ca
 
 
 def _to_simulate(cands: list[Candidate], top: int) -> list[Candidate]:
-    """The analytically best few distinct layouts, the best one's other microbatch counts, the worst.
+    """The analytically best few distinct layouts, the best one's next microbatch count, the worst.
 
     Distinct layouts (tp, pp, encoder stages) make the per-batch oracle a real
     alternative; the worst feasible layout prices a wrong static choice.
@@ -388,7 +391,7 @@ def _to_simulate(cands: list[Candidate], top: int) -> list[Candidate]:
         for c in cands
         if (c.tp, c.pp, c.encoder_stages) == (lead.tp, lead.pp, lead.encoder_stages)
         and c is not lead
-    ][:2]
+    ][:1]
     chosen: list[Candidate] = []
     for c in layouts + siblings + [cands[-1]]:
         if all(c is not x for x in chosen):
@@ -397,51 +400,58 @@ def _to_simulate(cands: list[Candidate], top: int) -> list[Candidate]:
 
 
 def _simulate(ctx: _Context, chosen, costs, idx, seed, schedule) -> tuple[np.ndarray, list]:
-    """[C, K] simulated iteration seconds of every chosen layout on every profiled batch.
+    """[C, K] simulated iteration seconds of the chosen layouts on the profiled batches.
 
     Assignments depend on (dp, microbatches) only and per-stage sample costs on
-    the stage layout only, so both are computed once and shared.
+    the stage layout only, so both are computed once and shared. Every layout
+    is first scored on ``SCREEN_BATCHES`` batches; one slower than the best by
+    more than ``SCREEN_MARGIN`` there (far beyond the batch-to-batch spread of
+    a global-batch sum) is not simulated further and stays NaN on the rest.
     """
     enc_cost, llm_cost = costs.encoder_cost(), costs.llm_cost()
     tok = costs.llm_tokens.astype(np.int64)
-    sims = np.zeros((len(chosen), len(idx)))
-    means_fb = []  # per candidate, per batch: (per-stage mean fwd [S], mean bwd [S], sync)
-    assignments: dict[tuple[int, int], list] = {}
+    sims = np.full((len(chosen), len(idx)), np.nan)
+    means_fb: list[list] = [[] for _ in chosen]  # per batch: (mean fwd [S], mean bwd [S], sync)
+    assignments: dict[tuple[int, int, int], object] = {}
     per_stage: dict[int, tuple] = {}
-    for ci, c in enumerate(chosen):
-        cap, budget = _caps(ctx, c.dp, c.microbatches)
-        akey = (c.dp, c.microbatches)
+
+    def run(ci: int, k: int) -> None:
+        c, b = chosen[ci], idx[k]
+        akey = (c.dp, c.microbatches, k)
         if akey not in assignments:
-            assignments[akey] = [
-                assign(
-                    enc_cost[b],
-                    llm_cost[b],
-                    tok[b],
-                    dp=c.dp,
-                    microbatches=c.microbatches,
-                    max_tokens=cap,
-                    defer_budget=budget,
-                    method="entrain",
-                    seed=seed,
-                    iteration=k,
-                )
-                for k, b in enumerate(idx)
-            ]
-        skey = id(c.stages)
-        if skey not in per_stage:
-            per_stage[skey] = stage_sample_costs(costs, c.stages)
-        params = [stage_params(ctx.model, st) for st in c.stages]
-        sync = _sync_time(params, c.tp, c.dp, ctx.cluster)
-        acc = []
-        for k, b in enumerate(idx):
-            a = assignments[akey][k]
-            f, bw = times_from_sample_costs(a, per_stage[skey], b, _tp_speedup(c.tp))
-            if c.recompute:
-                bw = bw + f
-            f, bw = _add_comm(f, bw, c, ctx, set_loads(a.llm_sets, tok[b]))
-            sims[ci, k] = simulate_pipeline(f, bw, schedule).iteration_time + sync
-            acc.append((f.mean(axis=(0, 1)), bw.mean(axis=(0, 1)), sync))
-        means_fb.append(acc)
+            cap, budget = _caps(ctx, c.dp, c.microbatches)
+            assignments[akey] = assign(
+                enc_cost[b],
+                llm_cost[b],
+                tok[b],
+                dp=c.dp,
+                microbatches=c.microbatches,
+                max_tokens=cap,
+                defer_budget=budget,
+                method="entrain",
+                seed=seed,
+                iteration=k,
+            )
+        a = assignments[akey]
+        if id(c.stages) not in per_stage:
+            per_stage[id(c.stages)] = stage_sample_costs(costs, c.stages)
+        sync = _sync_time([stage_params(ctx.model, st) for st in c.stages], c.tp, c.dp, ctx.cluster)
+        f, bw = times_from_sample_costs(a, per_stage[id(c.stages)], b, _tp_speedup(c.tp))
+        if c.recompute:
+            bw = bw + f
+        mb_tokens = set_loads(a.llm_sets, tok[b]) if c.pp > 1 else None
+        f, bw = _add_comm(f, bw, c, ctx, mb_tokens)
+        sims[ci, k] = simulate_pipeline(f, bw, schedule).iteration_time + sync
+        means_fb[ci].append((f.mean(axis=(0, 1)), bw.mean(axis=(0, 1)), sync))
+
+    screen = min(SCREEN_BATCHES, len(idx))
+    for ci in range(len(chosen)):
+        for k in range(screen):
+            run(ci, k)
+    first = sims[:, :screen].mean(axis=1)
+    for ci in np.flatnonzero(first <= first.min() * (1 + SCREEN_MARGIN)):
+        for k in range(screen, len(idx)):
+            run(int(ci), k)
     return sims, means_fb
 
 
@@ -457,7 +467,7 @@ def _ideal(per_batch: list, m: int, schedule: str) -> float:
     return float(np.mean(times))
 
 
-def _add_comm(f, b, c: Candidate, ctx: _Context, mb_tokens: np.ndarray) -> tuple:
+def _add_comm(f, b, c: Candidate, ctx: _Context, mb_tokens: np.ndarray | None) -> tuple:
     """Per-microbatch overhead and activation transfer across stage boundaries."""
     f = f + OVERHEAD_PER_MICROBATCH
     b = b + OVERHEAD_PER_MICROBATCH

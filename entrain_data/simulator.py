@@ -170,7 +170,7 @@ def set_loads(sets: Sequence[Sequence[np.ndarray]], per_sample: np.ndarray) -> n
     per_sample = np.asarray(per_sample, dtype=np.float64)
     r_count, m = len(sets), len(sets[0])
     flat = [s for row in sets for s in row]
-    lens = np.fromiter((len(s) for s in flat), dtype=np.int64, count=len(flat))
+    lens = np.array(list(map(len, flat)), dtype=np.int64)
     idx = np.concatenate(flat).astype(np.int64, copy=False) if flat else np.zeros(0, np.int64)
     ends = np.cumsum(lens)
     vals = per_sample[idx]
