@@ -36,7 +36,8 @@ __all__ = ["assign_entrain", "split_replicas", "lpt_bins"]
 _SWAP_CANDIDATES = 64  # members considered per replica in one swap step
 _GOOD_ENOUGH = 2e-3
 _GREEDY_ROUNDS = 64  # level-1 rounds placed greedily; the rest, small items, in serpentine
-_ITEMWISE_LPT = 512  # rows up to this many items are placed one item at a time  # relative deviation of a replica's module sum below which swaps stop
+_ITEMWISE_LPT = 512
+_ALL_CANDIDATES_BELOW = 4096  # global batches this small try every level-2 candidate  # rows up to this many items are placed one item at a time  # relative deviation of a replica's module sum below which swaps stop
 
 
 def _norm_columns(w: np.ndarray) -> np.ndarray:
@@ -242,6 +243,92 @@ def _ffd_joint(
     return out
 
 
+def vector_bins(w: np.ndarray, valid: np.ndarray, m: int) -> np.ndarray:
+    """[R, n] bin ids (-1 invalid) balancing every column of ``w`` [R, n, D] at once.
+
+    Items largest first (by their largest column share); each goes to the bin whose
+    worst column, relative to that column's per-bin target, is lowest after adding it
+    (vector LPT: the max-normalised-load objective). Short rows item by item, long rows
+    in rounds of m (one item per bin per round, the round's largest to the best bin).
+    """
+    r_count, n, d = w.shape
+    target = np.where(valid[..., None], w, 0.0).sum(axis=1) / m  # [R, D]
+    wn = w / np.where(target > 0, target, 1.0)[:, None, :]
+    key = np.where(valid, wn.max(axis=2), -np.inf)
+    order = np.argsort(-key, axis=1, kind="stable")
+    bins = np.full((r_count, n), -1, dtype=np.int64)
+    loads = np.zeros((r_count, m, d))
+    rows = np.arange(r_count)
+    counts = np.zeros((r_count, m))
+    if n <= _ITEMWISE_LPT:
+        for t in range(n):
+            item = order[:, t]
+            ok = valid[rows, item]
+            if not ok.any():
+                break
+            after = (loads + wn[rows, item][:, None, :]).max(axis=2)  # [R, m]
+            j = np.argmin(after + 1e-9 * loads.sum(axis=2) + 1e-12 * counts, axis=1)
+            rr = rows[ok]
+            bins[rr, item[ok]] = j[ok]
+            loads[rr, j[ok]] += wn[rr, item[ok]]
+            counts[rr, j[ok]] += 1
+        return bins
+    rr2 = rows[:, None]
+    for t in range(0, n, m):
+        item = order[:, t : t + m]
+        ok = valid[rr2, item]
+        if not ok.any():
+            break
+        target_bins = np.argsort(loads.max(axis=2) + 1e-12 * counts, axis=1, kind="stable")
+        tb = target_bins[:, : item.shape[1]]
+        rr = np.broadcast_to(rr2, item.shape)[ok]
+        bins[rr, item[ok]] = tb[ok]
+        np.add.at(loads, (rr, tb[ok]), wn[rr, item[ok]])
+        np.add.at(counts, (rr, tb[ok]), 1)
+    return bins
+
+
+def _order_by_llm(ebin, members_ok, llm, m):
+    """Renumber E bins so that the LLM-heaviest comes first (deferral moves surplus later)."""
+    r_count = llm.shape[0]
+    rows = np.arange(r_count)[:, None]
+    bin_llm = np.zeros((r_count, m))
+    np.add.at(
+        bin_llm, (np.broadcast_to(rows, ebin.shape)[members_ok], ebin[members_ok]), llm[members_ok]
+    )
+    rank = np.argsort(np.argsort(-bin_llm, axis=1, kind="stable"), axis=1)
+    return np.where(members_ok, np.take_along_axis(rank, np.maximum(ebin, 0), axis=1), -1)
+
+
+def _score(eidx, lidx, valid, enc_cols, llm, m):
+    """[R] worst per-module peak/mean microbatch load (encoders from E, LLM from L)."""
+    r_count = llm.shape[0]
+    rr = np.broadcast_to(np.arange(r_count)[:, None], llm.shape)
+    cols = [(eidx, enc_cols[..., e]) for e in range(enc_cols.shape[2])] + [(lidx, llm)]
+    worst = np.zeros(r_count)
+    total = np.zeros(r_count)
+    for idx, c in cols:
+        ok = valid & (idx >= 0)
+        loads = np.zeros((r_count, m))
+        np.add.at(loads, (rr[ok], idx[ok]), c[ok])
+        mean = loads.mean(axis=1)
+        rel = np.where(mean > 0, loads.max(axis=1) / np.where(mean > 0, mean, 1.0), 1.0)
+        worst = np.maximum(worst, rel)
+        total += rel
+    return worst + 1e-3 * total
+
+
+def _fits_cap(bins, valid, tok, m, cap):
+    """[R] whether every bin of joint sets ``bins`` stays within the token cap."""
+    r_count = tok.shape[0]
+    if cap is None:
+        return np.ones(r_count, bool)
+    t_load = np.zeros((r_count, m), dtype=np.int64)
+    rr = np.broadcast_to(np.arange(r_count)[:, None], tok.shape)
+    np.add.at(t_load, (rr[valid], bins[valid]), tok[valid])
+    return (t_load <= cap).all(axis=1)
+
+
 def assign_entrain(x: Inputs, seed: int, iteration: int, tolerance: float = 0.02) -> Assignment:
     """Entrain's two-level assignment of ``x`` (see the module docstring)."""
     rng = rng_for(seed, iteration, 1)
@@ -250,26 +337,65 @@ def assign_entrain(x: Inputs, seed: int, iteration: int, tolerance: float = 0.02
     members = split_replicas(w, r_count, rng)  # [R, n]
     valid = members >= 0
     safe = np.where(valid, members, 0)
+    enc_cols = np.where(valid[..., None], x.enc[safe], 0.0)  # [R, n, E]
     enc_w = np.where(valid, _norm_columns(x.enc)[safe].sum(axis=2), 0.0)  # [R, n]
     llm = np.where(valid, x.llm[safe], 0.0)
     tok = np.where(valid, x.tokens[safe], 0)
     has_enc = valid & (x.enc[safe].sum(axis=2) > 0)
+    cap, budget = x.max_tokens, x.defer_budget
 
-    # encoder sets: LPT over encoder work, then order bins by descending LLM work
+    # candidate A: encoder sets by LPT over encoder work alone, LLM sets by deferral
     ebin = lpt_bins(enc_w, has_enc, m)
     per_bin = members.shape[1] / m
     refine_bins(ebin, enc_w, has_enc, m, iters=2 * m if per_bin <= 16 else max(4, m // 2))
-    rows = np.arange(r_count)[:, None]
-    bin_llm = np.zeros((r_count, m))
-    np.add.at(bin_llm, (np.broadcast_to(rows, ebin.shape)[has_enc], ebin[has_enc]), llm[has_enc])
-    rank = np.argsort(np.argsort(-bin_llm, axis=1, kind="stable"), axis=1)
-    eidx = np.where(has_enc, np.take_along_axis(rank, np.maximum(ebin, 0), axis=1), -1)
+    eidx = _order_by_llm(ebin, has_enc, llm, m)
+    lidx2, failed2 = _llm_sets_lpt(eidx, has_enc, valid, llm, tok, m, cap, budget)
+    cands = [(eidx, lidx2, failed2)]
+    if x.n < _ALL_CANDIDATES_BELOW:
+        cands += _more_candidates(
+            eidx, has_enc, valid, enc_cols, llm, tok, m, cap, budget, tolerance
+        )
+    return _pick(cands, x, members, valid, has_enc, enc_cols, enc_w, llm, tok, m)
 
-    lidx, failed = _llm_sets(
-        eidx, has_enc, valid, llm, tok, m, x.max_tokens, x.defer_budget, tolerance
-    )
-    # text-only samples are never buffered: encoded where consumed
-    eidx = np.where(has_enc, eidx, lidx)
+
+def _more_candidates(eidx, has_enc, valid, enc_cols, llm, tok, m, cap, budget, tolerance):
+    """The costlier candidates, tried where the batch is small enough to afford them."""
+    lidx, failed = _llm_sets(eidx, has_enc, valid, llm, tok, m, cap, budget, tolerance)
+    cands = [(eidx, lidx, failed)]
+
+    # candidate B: encoder sets balancing every encoder column, the LLM and tokens together
+    # (vector LPT); their LLM sets are the encoder sets themselves or a deferral of them
+    wv = np.concatenate([enc_cols, llm[..., None], tok[..., None].astype(np.float64)], axis=2)
+    vb = _order_by_llm(vector_bins(wv, valid, m), valid, llm, m)
+    joint_ok = _fits_cap(vb, valid, tok, m, cap)
+    cands.append((vb, vb, ~joint_ok))
+    # candidate C: joint sets balancing the LLM and tokens only (what the LLM peers aim at)
+    wl = np.stack([llm, tok.astype(np.float64)], axis=2)
+    lb = vector_bins(wl, valid, m)
+    cands.append((lb, lb, ~_fits_cap(lb, valid, tok, m, cap)))
+    veidx = np.where(has_enc, vb, -1)
+    lidx3, failed3 = _llm_sets_lpt(veidx, has_enc, valid, llm, tok, m, cap, budget)
+    cands.append((veidx, lidx3, failed3))
+    return cands
+
+
+def _pick(cands, x, members, valid, has_enc, enc_cols, enc_w, llm, tok, m):
+    """Per replica the best-scoring candidate; replicas where all fail get joint FFD sets."""
+    r_count = x.dp
+    eidx = cands[0][0]
+    best_score = np.full(r_count, np.inf)
+    eidx_out = np.zeros_like(eidx)
+    lidx_out = np.zeros_like(eidx)
+    failed = np.ones(r_count, bool)
+    for ce, cl, cf in cands:
+        e_eff = np.where(has_enc, ce, cl)
+        sc = np.where(cf, np.inf, _score(e_eff, cl, valid, enc_cols, llm, m))
+        better = sc < best_score
+        best_score = np.where(better, sc, best_score)
+        eidx_out = np.where(better[:, None], e_eff, eidx_out)
+        lidx_out = np.where(better[:, None], cl, lidx_out)
+        failed &= cf
+    eidx, lidx = eidx_out, lidx_out
     for r in np.flatnonzero(failed):
         v = valid[r]
         joint = _ffd_joint(
@@ -320,6 +446,64 @@ def _llm_sets(eidx, has_enc, valid, llm, tok, m, cap, budget, tol):
         lidx[take] = j
         consumed |= take
     return lidx, failed
+
+
+def _llm_sets_lpt(eidx, has_enc, valid, llm, tok, m, cap, budget):
+    """LLM microbatch of every member ([R, n]) by release-constrained LPT.
+
+    Largest LLM work first, each sample goes to the least LLM-loaded microbatch
+    j >= its encoder microbatch (its release) such that the token cap holds in
+    j and the deferral buffer stays within budget at every boundary it waits
+    across. Text-only samples are released at 0 (they are encoded where
+    consumed). Rows where some sample fits nowhere are reported failed.
+    """
+    r_count, n = llm.shape
+    rows = np.arange(r_count)
+    big = np.iinfo(np.int64).max // 4
+    cap_v = big if cap is None else cap
+    bud_v = big if budget is None else budget
+    release = np.where(has_enc, eidx, 0)
+    order = np.argsort(-np.where(valid, llm, -np.inf), axis=1, kind="stable")
+    lidx = np.full((r_count, n), -1, dtype=np.int64)
+    loads = np.zeros((r_count, m))
+    toks = np.zeros((r_count, m), dtype=np.int64)
+    buffered = np.zeros((r_count, m), dtype=np.int64)  # tokens waiting after boundary j
+    failed = np.zeros(r_count, bool)
+    jj = np.arange(m)[None, :]
+    for t in range(n):
+        item = order[:, t]
+        ok = valid[rows, item]
+        if not ok.any():
+            break
+        rel = release[rows, item][:, None]
+        tk = tok[rows, item][:, None]
+        buf_ok = (buffered + tk <= bud_v) | (jj < rel) | ~has_enc[rows, item][:, None]
+        # j is reachable when every boundary rel..j-1 can hold the sample while it waits
+        reach = np.cumprod(np.concatenate([np.ones((r_count, 1), bool), buf_ok[:, :-1]], 1), 1)
+        fits = (jj >= rel) & reach.astype(bool) & (toks + tk <= cap_v)
+        none = ok & ~fits.any(axis=1)
+        failed |= none
+        place = ok & ~none
+        j = np.argmin(np.where(fits, loads + 1e-12 * toks, np.inf), axis=1)
+        rr = rows[place]
+        jp = j[place]
+        lidx[rr, item[place]] = jp
+        loads[rr, jp] += llm[rr, item[place]]
+        toks[rr, jp] += tok[rr, item[place]]
+        wait = place & has_enc[rows, item]
+        span = (jj >= rel) & (jj < j[:, None]) & wait[:, None]
+        buffered += np.where(span, tk, 0)
+    return lidx, failed
+
+
+def _peak_llm(lidx, valid, llm, m):
+    """[R] the largest microbatch LLM load of every row (sum of squares breaks ties)."""
+    r_count = llm.shape[0]
+    loads = np.zeros((r_count, m))
+    ok = valid & (lidx >= 0)
+    rr = np.broadcast_to(np.arange(r_count)[:, None], llm.shape)[ok]
+    np.add.at(loads, (rr, lidx[ok]), llm[ok])
+    return loads.max(axis=1) + 1e-9 * (loads**2).sum(axis=1) / np.maximum(loads.max(axis=1), 1e-30)
 
 
 def _grouped(members: np.ndarray, slot: np.ndarray, count: int) -> list[np.ndarray]:

@@ -1,0 +1,70 @@
+"""Shared set-up of the assignment benchmarks: models, stage layouts, caps, workload tables."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from entrain_data.cost_model import SampleCosts, per_sample_costs
+from entrain_data.metadata import SampleTable
+from entrain_data.plan_layout import layer_units, stages_for
+from entrain_data.presets import ModelSpec
+from entrain_data.workloads import list_real_workloads, real_workload, synthesize
+
+__all__ = ["MODELS", "RESULTS", "SHARED_DATA", "caps", "pick_stages", "tables", "model_costs"]
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+# name -> (encoders, llm): the paper's pairing and a vision + audio + LLM model
+MODELS = {
+    "vl-1b": (("qwen2.5-vl-vision",), "llama-3.2-1b"),
+    "vla-3b": (("qwen2.5-vl-vision", "whisper-large-v3-encoder"), "llama-3.2-3b"),
+}
+
+
+def caps(tokens: np.ndarray, dp: int, m: int) -> tuple[int, int]:
+    """Token cap (1.5x a mean microbatch, at least the largest sample, 256-aligned) and
+    deferral budget (2x a mean microbatch): the planner's rule."""
+    per_mb = float(tokens.sum()) / (dp * m)
+    cap = max(int(tokens.max()), int(math.ceil(1.5 * per_mb)))
+    return int(math.ceil(cap / 256) * 256), int(math.ceil(2 * per_mb))
+
+
+def pick_stages(model: ModelSpec, costs: SampleCosts, batches: np.ndarray, pp: int):
+    """The pp-stage layout (encoder stages first) whose busiest stage carries the least mean
+    load: layer ranges proportional to profiled load, as the static planner would pick."""
+    units = layer_units(model, costs, batches)
+    best = None
+    for enc_stages in range(0, pp):
+        st = stages_for(model, units, pp, enc_stages)
+        if st is None:
+            continue
+        worst = max(s.expected_load for s in st)
+        if best is None or worst < best[0]:
+            best = (worst, st)
+    if best is None:
+        raise ValueError(f"no {pp}-stage layout for {model.module_names}")
+    return best[1]
+
+
+def model_costs(name: str, table: SampleTable) -> SampleCosts | None:
+    """Costs of ``table`` under model ``name``; None when the model lacks a needed encoder."""
+    encs, llm = MODELS[name]
+    has_audio = bool(len(table.audio_seconds)) and float(np.sum(table.audio_seconds)) > 0
+    if has_audio and "whisper-large-v3-encoder" not in encs:
+        return None
+    return per_sample_costs(table, ModelSpec.from_names(list(encs), llm))
+
+
+def tables(samples: int, seed: int, real: bool) -> dict[str, SampleTable]:
+    """Every named synthetic workload, plus the real tables when ../shared/data is present."""
+    from entrain_data.workloads import list_workloads
+
+    out = {name: synthesize(name, samples, seed) for name in list_workloads()}
+    if real and SHARED_DATA.is_dir():
+        for name in list_real_workloads():
+            out[f"real:{name}"] = real_workload(name, SHARED_DATA)
+    return out

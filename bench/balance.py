@@ -1,0 +1,239 @@
+"""Microbatch balance and simulated 1F1B iteration time of every assignment method.
+
+For every named workload (and the real tables in ../shared/data when present)
+and each model (the paper's Qwen2.5-VL ViT + Llama-3.2-1B; a vision + audio +
+LLM model), draws K global batches, assigns them with every method and reports:
+CV of per-microbatch encoder and LLM load, per-stage CV of stage time, the
+simulated 1F1B iteration time, its ratio to the ideal (every microbatch at its
+stage's mean), and throughput (training work consumed per simulated second) versus
+``sequential`` and versus the best peer. ``wlb_llm`` delays outliers: its
+carried samples are prepended to the next batch (its outlier queue), and its
+throughput counts only the samples it consumed.
+
+    python bench/balance.py                       # paper setting: B=512, dp=4, M=32
+    python bench/balance.py --batch 4096 --dp 16 --microbatches 16
+
+Writes bench/results/balance[-TAG].json and balance[-TAG].png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import MODELS, RESULTS, caps, model_costs, pick_stages, tables  # noqa: E402
+
+from entrain_data.assignment import CAP_AWARE, DEFERRING, METHODS, assign, check_assignment  # noqa: E402
+from entrain_data.errors import InvalidInput  # noqa: E402
+from entrain_data.metrics import microbatch_loads, stage_cv  # noqa: E402
+from entrain_data.presets import ModelSpec  # noqa: E402
+from entrain_data.simulator import (  # noqa: E402
+    ideal_iteration_time,
+    simulate_pipeline,
+    stage_sample_costs,
+    times_from_sample_costs,
+)
+
+PEERS = tuple(m for m in METHODS if m != "entrain")
+
+
+def run_method(method, costs, per_stage, batches, dp, m, seed):
+    """K iterations of one method; returns summary figures and the per-iteration loads."""
+    enc_all = costs.encoder_cost()
+    llm_all = costs.llm_cost()
+    tok_all = costs.llm_tokens
+    carried_rows = np.zeros(0, np.int64)
+    cv_e, cv_l, st_cv, times, ideals, lat, loads = [], [], [], [], [], [], []
+    consumed = 0
+    work = 0.0
+    sample_work = enc_all.sum(axis=1) + llm_all
+    for it, fresh in enumerate(batches):
+        rows = np.concatenate([carried_rows, fresh])
+        enc, llm, tok = enc_all[rows], llm_all[rows], tok_all[rows]
+        cap, budget = caps(tok, dp, m)
+        cap_m = cap if method in CAP_AWARE else None
+        t0 = time.perf_counter()
+        try:
+            a = assign(
+                enc,
+                llm,
+                tok,
+                dp=dp,
+                microbatches=m,
+                max_tokens=cap_m,
+                defer_budget=budget,
+                method=method,
+                seed=seed,
+                iteration=it,
+            )
+        except InvalidInput:  # e.g. original-order packing cannot meet the cap: its own capacity
+            cap_m = None
+            a = assign(
+                enc,
+                llm,
+                tok,
+                dp=dp,
+                microbatches=m,
+                defer_budget=budget,
+                method=method,
+                seed=seed,
+                iteration=it,
+            )
+        lat.append(time.perf_counter() - t0)
+        check_assignment(a, len(rows), tok, cap_m, budget if method in DEFERRING else None)
+        carried_rows = rows[a.carried]
+        consumed += len(rows) - len(a.carried)
+        work += float(sample_work[rows].sum() - sample_work[carried_rows].sum())
+        ml = microbatch_loads(a, enc, llm)
+        cv = ml.cv()
+        cv_e.append(cv["encoder"])
+        cv_l.append(cv["llm"])
+        f, b = times_from_sample_costs(a, per_stage, rows=rows)
+        st_cv.append(stage_cv(f, b))
+        times.append(simulate_pipeline(f, b).iteration_time)
+        ideals.append(ideal_iteration_time(f, b))
+        loads.append((ml.encoder[0].tolist(), ml.llm[0].tolist()))
+    total = float(np.sum(times))
+    return {
+        "cv_encoder": float(np.mean(cv_e)),
+        "cv_llm": float(np.mean(cv_l)),
+        "stage_cv": np.mean(st_cv, axis=0).tolist(),
+        "iteration_time": float(np.mean(times)),
+        "ideal_time": float(np.mean(ideals)),
+        "ratio_to_ideal": float(np.sum(times) / np.sum(ideals)),
+        "samples": int(consumed),
+        "samples_per_s": consumed / total if total > 0 else 0.0,
+        # training work consumed per simulated second: a method that delays its heaviest
+        # samples (wlb_llm) is credited only for the work it did
+        "throughput": work / total if total > 0 else 0.0,
+        "assign_ms_median": float(np.median(lat) * 1e3),
+        "carried_at_end": int(len(carried_rows)),
+    }, loads
+
+
+def bench_one(name, table, model_name, args):
+    costs = model_costs(model_name, table)
+    if costs is None:
+        return None
+    rng = np.random.default_rng([args.seed, 7])
+    replace = len(table) < args.batch
+    batches = [rng.choice(len(table), args.batch, replace=replace) for _ in range(args.iterations)]
+    encs, llm = MODELS[model_name]
+    model = ModelSpec.from_names(list(encs), llm)
+    stages = pick_stages(model, costs, np.stack(batches), args.pp)
+    per_stage = stage_sample_costs(costs, stages)
+    res, loads = {}, {}
+    for method in METHODS:
+        res[method], loads[method] = run_method(
+            method, costs, per_stage, batches, args.dp, args.microbatches, args.seed
+        )
+    seq = res["sequential"]
+    best_peer = max(PEERS, key=lambda k: res[k]["throughput"])
+    for v in res.values():
+        v["vs_sequential_cv_encoder"] = seq["cv_encoder"] / max(v["cv_encoder"], 1e-12)
+        v["vs_sequential_cv_llm"] = seq["cv_llm"] / max(v["cv_llm"], 1e-12)
+        v["speedup_vs_sequential"] = v["throughput"] / seq["throughput"]
+        v["speedup_vs_best_peer"] = v["throughput"] / res[best_peer]["throughput"]
+    return {
+        "workload": name,
+        "model": model_name,
+        "modules": list(model.module_names),
+        "stages": [st.module for st in stages],
+        "best_peer": best_peer,
+        "methods": res,
+    }, loads
+
+
+def print_table(r) -> None:
+    print(
+        f"\n== {r['workload']}  model={r['model']}  stages={'|'.join(r['stages'])}  "
+        f"best peer={r['best_peer']}"
+    )
+    print(
+        f"{'method':22s} {'cvE':>7s} {'cvL':>7s} {'xSeqE':>6s} {'xSeqL':>6s} {'stageCV':>22s} "
+        f"{'T(s)':>8s} {'T/ideal':>8s} {'vsSeq':>6s} {'vsBest':>7s} {'ms':>6s}"
+    )
+    for k, v in r["methods"].items():
+        scv = ",".join(f"{x:.2f}" for x in v["stage_cv"])
+        print(
+            f"{k:22s} {v['cv_encoder']:7.4f} {v['cv_llm']:7.4f} "
+            f"{v['vs_sequential_cv_encoder']:6.2f} {v['vs_sequential_cv_llm']:6.2f} {scv:>22s} "
+            f"{v['iteration_time']:8.3f} {v['ratio_to_ideal']:8.4f} "
+            f"{v['speedup_vs_sequential']:6.3f} {v['speedup_vs_best_peer']:7.4f} "
+            f"{v['assign_ms_median']:6.1f}"
+        )
+
+
+def plot(loads, title, path: Path, iterations: int = 3) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 1, figsize=(11, 6), sharex=True)
+    for method, style in (("sequential", "-"), ("entrain", "-")):
+        e = np.concatenate([np.asarray(x[0]) for x in loads[method][:iterations]])
+        ll = np.concatenate([np.asarray(x[1]) for x in loads[method][:iterations]])
+        axes[0].plot(e, style, label=method, drawstyle="steps-mid")
+        axes[1].plot(ll, style, label=method, drawstyle="steps-mid")
+    axes[0].set_ylabel("encoder load (s)")
+    axes[1].set_ylabel("LLM load (s)")
+    axes[1].set_xlabel(f"microbatch of replica 0 ({iterations} iterations)")
+    axes[0].set_title(title)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=512)
+    p.add_argument("--dp", type=int, default=4)
+    p.add_argument("--microbatches", type=int, default=32)
+    p.add_argument("--pp", type=int, default=4)
+    p.add_argument("--iterations", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workloads", default="", help="comma-separated subset (default: all)")
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--no-real", action="store_true", help="skip the real tables")
+    p.add_argument("--tag", default="")
+    args = p.parse_args(argv)
+    pool = max(args.batch * args.iterations * 2, 16384)
+    all_tables = tables(pool, args.seed, real=not args.no_real)
+    wanted = [w for w in args.workloads.split(",") if w]
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    suffix = f"-{args.tag}" if args.tag else ""
+    out, plotted = [], False
+    for name, table in all_tables.items():
+        if wanted and name not in wanted:
+            continue
+        for model_name in args.models.split(","):
+            got = bench_one(name, table, model_name, args)
+            if got is None:
+                continue
+            r, loads = got
+            print_table(r)
+            out.append(r)
+            if not plotted and name == "qwen2vl-dynamic":
+                plot(
+                    loads,
+                    f"{name}, {model_name}: B={args.batch} dp={args.dp} M={args.microbatches}",
+                    RESULTS / f"balance{suffix}.png",
+                )
+                plotted = True
+    doc = {"setting": vars(args), "results": out}
+    (RESULTS / f"balance{suffix}.json").write_text(json.dumps(doc, indent=1))
+    print(f"\nwrote {RESULTS / f'balance{suffix}.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
