@@ -12,6 +12,7 @@ global batches in one process as one unbalanced batch.
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import tempfile
@@ -179,11 +180,39 @@ def make_model(seed: int = 0, **kw: Any) -> ReferenceMLLM:
     return ReferenceMLLM(ReferenceConfig(**kw))
 
 
+@functools.lru_cache(maxsize=8)
+def _reference(steps: int, mode: str, seed: int) -> dict[str, torch.Tensor]:
+    return _train_reference(global_batches(steps), mode, seed)
+
+
 def reference_params(
-    batches: list[list[SyntheticSample]], mode: str = "token", seed: int = 0, **kw: Any
+    batches: list[list[SyntheticSample]], mode: str = "token", seed: int = 0
 ) -> dict[str, torch.Tensor]:
-    """Train on each global batch as ONE microbatch in one process (no balancing), plain SGD."""
-    model = make_model(seed, **kw)
+    """Train on each global batch as ONE microbatch in one process (no balancing), plain SGD.
+
+    Cached for the scenario's own batches (tests compare several runs against it)."""
+    if _fingerprint(batches) == _fingerprint(global_batches(len(batches))):
+        return _reference(len(batches), mode, seed)
+    return _train_reference(batches, mode, seed)
+
+
+def _fingerprint(batches: list[list[SyntheticSample]]) -> tuple:
+    return tuple(
+        (
+            s.key,
+            s.input_ids.numpy().tobytes(),
+            s.patches.numpy().tobytes(),
+            s.audio.numpy().tobytes(),
+        )
+        for b in batches
+        for s in b
+    )
+
+
+def _train_reference(
+    batches: list[list[SyntheticSample]], mode: str, seed: int
+) -> dict[str, torch.Tensor]:
+    model = make_model(seed)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for it, batch in enumerate(batches):
         samples = {s.key: s for s in batch}
@@ -201,7 +230,8 @@ def assert_params_close(
 ) -> None:
     assert set(got) == set(want), sorted(set(got) ^ set(want))
     worst = max(float((got[k].float() - want[k].float()).abs().max()) for k in want)
-    moved = max(float((want[k] - make_model().state_dict()[k]).abs().max()) for k in want)
+    init = make_model().state_dict()
+    moved = max(float((want[k] - init[k]).abs().max()) for k in want)
     assert moved > 1e-3, "reference did not train: the comparison would prove nothing"
     assert worst < atol, f"parameters differ from the unbalanced reference by {worst:.3g}"
 
