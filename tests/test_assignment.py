@@ -181,3 +181,35 @@ def test_megatron_dp_balanced_keeps_original_order():
     # packs of consecutive samples, pack i*dp + r to replica r microbatch i
     assert a.llm_sets[0][0].tolist() == [0, 1, 2, 3]
     assert a.llm_sets[1][0].tolist() == [4, 5, 6, 7]
+
+
+def test_large_batch_path_keeps_the_invariants():
+    # from 4096 samples entrain tries fewer level-2 candidates (latency): same invariants
+    rng = np.random.default_rng(5)
+    b, dp, m = 4096, 16, 8
+    tokens = rng.integers(50, 3000, b)
+    enc = rng.lognormal(0, 0.8, (b, 2)) * (rng.random((b, 2)) < 0.6)
+    llm = tokens * 1e-4 + (tokens / 1e4) ** 2
+    per_mb = tokens.sum() / (dp * m)
+    cap, budget = int(max(tokens.max(), 1.5 * per_mb)), int(2 * per_mb)
+    a = assign(enc, llm, tokens, dp=dp, microbatches=m, max_tokens=cap, defer_budget=budget)
+    check_assignment(a, b, tokens, cap, budget)
+
+
+def test_every_encoder_column_is_balanced_not_only_their_sum():
+    # vision-only and audio-only samples: a stage holding only the audio encoder sees column 1
+    rng = np.random.default_rng(6)
+    b, dp, m = 512, 4, 32
+    kind = rng.random(b) < 0.5
+    enc = np.stack([np.where(kind, rng.lognormal(0, 0.4, b), 0), np.where(kind, 0, 1.0)], 1)
+    tokens = rng.integers(100, 800, b)
+    llm = tokens * 1e-3
+    a = assign(enc, llm, tokens, dp=dp, microbatches=m, method="entrain")
+    s = assign(enc, llm, tokens, dp=dp, microbatches=m, method="sequential")
+
+    def col_cv(x, e):
+        loads = np.array([enc[i, e].sum() for row in x.encoder_sets for i in row])
+        return loads.std() / loads.mean()
+
+    for e in (0, 1):
+        assert col_cv(a, e) < col_cv(s, e) / 2

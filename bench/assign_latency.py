@@ -1,0 +1,93 @@
+"""Assignment latency versus global batch size and dp: median wall and CPU time over repeats.
+
+The loader runs the assignment ahead of training, once per iteration, so it
+must stay far below an iteration (seconds). Costs come from the cost model on
+the qwen2vl-dynamic workload (Qwen2.5-VL ViT + Llama-3.2-1B); the token cap and
+deferral budget follow the planner's rule.
+
+    python bench/assign_latency.py                     # every method, B 512..65536
+    python bench/assign_latency.py --methods entrain --batches 8192 --dps 128 --microbatches 16
+
+Writes bench/results/assign_latency.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import RESULTS, caps, model_costs  # noqa: E402
+
+from entrain_data.assignment import CAP_AWARE, METHODS, assign  # noqa: E402
+from entrain_data.workloads import synthesize  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batches", default="512,2048,8192,32768,65536")
+    p.add_argument("--dps", default="4,32,128")
+    p.add_argument("--microbatches", type=int, default=16)
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--workload", default="qwen2vl-dynamic")
+    args = p.parse_args(argv)
+    sizes = [int(b) for b in args.batches.split(",")]
+    table = synthesize(args.workload, max(sizes), seed=0)
+    costs = model_costs("vl-1b", table)
+    enc_all, llm_all, tok_all = costs.encoder_cost(), costs.llm_cost(), costs.llm_tokens
+    rows_out = []
+    print(f"{'method':22s} {'B':>6s} {'dp':>4s} {'M':>3s} {'wall ms':>9s} {'cpu ms':>8s}")
+    for method in args.methods.split(","):
+        for b in sizes:
+            for dp in (int(d) for d in args.dps.split(",")):
+                m = args.microbatches
+                if b < dp * m:
+                    continue
+                if method in ("megatron_dp_balanced", "wlb_llm") and b > 8192:
+                    continue  # per-sample Python loops, as the peers' own code: minutes at 64k
+                rows = np.random.default_rng(b + dp).choice(len(table), b, replace=False)
+                enc, llm, tok = enc_all[rows], llm_all[rows], tok_all[rows]
+                cap, budget = caps(tok, dp, m)
+                kw = dict(
+                    dp=dp,
+                    microbatches=m,
+                    defer_budget=budget,
+                    method=method,
+                    max_tokens=cap if method in CAP_AWARE else None,
+                )
+                wall, cpu = [], []
+                for it in range(args.repeats):
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    assign(enc, llm, tok, iteration=it, **kw)
+                    wall.append(time.perf_counter() - t0)
+                    cpu.append(time.process_time() - c0)
+                r = {
+                    "method": method,
+                    "batch": b,
+                    "dp": dp,
+                    "microbatches": m,
+                    "wall_ms_median": float(np.median(wall) * 1e3),
+                    "cpu_ms_median": float(np.median(cpu) * 1e3),
+                }
+                rows_out.append(r)
+                print(
+                    f"{method:22s} {b:6d} {dp:4d} {m:3d} {r['wall_ms_median']:9.1f} "
+                    f"{r['cpu_ms_median']:8.1f}",
+                    flush=True,
+                )
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / "assign_latency.json"
+    out.write_text(json.dumps({"setting": vars(args), "results": rows_out}, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
