@@ -21,12 +21,16 @@ def format_plan(plan: ParallelPlan) -> str:
         f"microbatches {plan.microbatches} per replica per iteration "
         f"(global batch {plan.global_batch}, ~{plan.global_batch / (plan.dp * plan.microbatches):.1f} samples each)",
         f"token cap    {plan.max_tokens} LLM tokens per microbatch; deferral budget {plan.defer_budget} tokens",
+        f"schedule     {plan.schedule}"
+        + (", full activation recomputation (needed to fit memory)" if plan.recompute else ""),
         "stages:",
     ]
-    for st, mem in zip(plan.stages, plan.memory_gb):
+    memory = list(plan.memory_gb) + [float("nan")] * (len(plan.stages) - len(plan.memory_gb))
+    for st, mem in zip(plan.stages, memory):
         layers = ", ".join(f"{s.module}[{s.layer_start}:{s.layer_end}]" for s in st.segments)
         lines.append(
-            f"  {st.index:>3}  {layers:<48} load/microbatch {st.expected_load * 1e3:8.2f} ms  mem {mem:6.1f} GB"
+            f"  {st.index:>3}  {layers:<48} load/microbatch {st.expected_load * 1e3:8.2f} ms"
+            f"  mem {mem:6.1f} GB"
         )
     lines += [
         f"iteration    {plan.expected_iteration_time:.4f} s expected (ideal balance {plan.ideal_iteration_time:.4f} s)",
