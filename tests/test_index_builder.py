@@ -223,3 +223,38 @@ def test_wav_edge_cases(shared_data, tmp_path):
         assert rec.audio_seconds[0] == pytest.approx(want, rel=1e-6)
     for s in skipped:
         assert s["key"] in samples and "audio" in s["error"]
+
+
+def test_unreadable_shard_raises_or_is_skipped(tmp_path):
+    bad = tmp_path / "bad.tar"
+    bad.write_bytes(b"not a tar at all" * 100)
+    good = write_shard(tmp_path / "good.tar", {"k": {"txt": b"x"}})
+    with pytest.raises(SampleError) as err:
+        build_index([good, bad], progress=False)
+    assert err.value.source == str(bad)
+    skipped: list = []
+    t = build_index([good, bad], progress=False, on_error="skip", skipped=skipped)
+    assert list(t.keys) == ["k"] and skipped[0]["source"] == str(bad)
+
+
+def test_real_audio_formats(shared_data, tmp_path):
+    root = shared_data / "audio_misc"
+    manifest = {}
+    for line in (root / "manifest.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        manifest[rec["path"]] = rec.get("soundfile") or {}
+    files = [
+        "hf_datasets/test_audio_16000.mp3",
+        "hf_datasets/test_audio_48000.opus",
+        "whisper/jfk.flac",
+        "librispeech_librosa/198-209-0000.ogg",
+        "hf_datasets/test_audio_44100.wav",
+    ]
+    samples = {
+        f"a{i}": {Path(f).suffix[1:]: (root / f).read_bytes(), "txt": b"t"}
+        for i, f in enumerate(files)
+    }
+    t = build_index(write_shard(tmp_path / "a.tar", samples), progress=False)
+    for i, f in enumerate(files):
+        want = manifest[f]["frames"] / manifest[f]["samplerate"]
+        assert t.record(i).audio_seconds[0] == pytest.approx(want, rel=1e-5), f

@@ -214,7 +214,15 @@ def build_index(
             if path.endswith(PARQUET_SUFFIXES):
                 recs = index_parquet(path, tok, parquet_columns, on_error=on_error, skipped=skipped)
             else:
-                recs = index_shard(path, tok, on_error=on_error, skipped=skipped)
+                try:
+                    recs = index_shard(path, tok, on_error=on_error, skipped=skipped)
+                except SampleError as exc:
+                    if on_error == "raise" or exc.key is not None:
+                        raise
+                    log.error("index: skipping unreadable shard %s", exc)  # no key to name
+                    if skipped is not None:
+                        skipped.append({"key": "", "source": path, "error": str(exc)})
+                    recs = []
             records.extend(recs)
             if bar is not None:
                 bar.update(1)
