@@ -6,6 +6,8 @@ For every named synthetic workload, a few cluster sizes and global batches
 - ``oracle_gap``: how much slower the one static plan is, on average over the
   profiled global batches, than the best simulated layout chosen afresh for
   every batch (Entrain's claim: workload concentration makes one plan enough);
+- ``next_layout_gap``: the throughput lost by the best simulated layout with
+  another tp, pp or encoder/LLM stage split (a plausible wrong static choice);
 - ``worst_static_gap``: the throughput lost by the worst simulated feasible
   static layout against the chosen one (the paper: up to 85%);
 - the chosen layout, expected iteration time against its balanced ideal, and
@@ -72,6 +74,7 @@ def run(setups, batches: int, samples: int, seed: int) -> list[dict]:
                     "oracle_iteration_time": plan.search["oracle_iteration_time"],
                     "worst_iteration_time": plan.search["worst_iteration_time"],
                     "oracle_gap": plan.oracle_gap,
+                    "next_layout_gap": _next_layout_gap(plan),
                     "worst_static_gap": plan.worst_static_gap,
                     "feasible_layouts": plan.search["feasible_layouts"],
                     "simulated_layouts": plan.search["simulated_layouts"],
@@ -83,10 +86,20 @@ def run(setups, batches: int, samples: int, seed: int) -> list[dict]:
     return rows
 
 
+def _next_layout_gap(plan) -> float | None:
+    """Throughput lost by the best simulated layout with another (tp, pp, encoder stages)."""
+    sims = plan.search["simulated"]
+    best = min(sims, key=lambda x: x["mean_time"])
+    key = (best["tp"], best["pp"], best["encoder_stages"])
+    others = [x["mean_time"] for x in sims if (x["tp"], x["pp"], x["encoder_stages"]) != key]
+    return 1.0 - best["mean_time"] / min(others) if others else None
+
+
 def format_table(rows: list[dict]) -> str:
     head = (
         f"{'workload':<18} {'GPUs':>5} {'B':>5}  {'dp/tp/pp x M':<16} {'iter s':>8} "
-        f"{'ideal s':>8} {'oracle gap':>10} {'worst loss':>10} {'layouts':>8} {'plan s':>7}"
+        f"{'ideal s':>8} {'oracle gap':>10} {'next loss':>9} {'worst loss':>10} {'layouts':>8} "
+        f"{'plan s':>7}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -94,7 +107,8 @@ def format_table(rows: list[dict]) -> str:
         lines.append(
             f"{r['workload']:<18} {r['gpus']:>5} {r['global_batch']:>5}  {layout:<16} "
             f"{r['expected_iteration_time']:>8.3f} {r['ideal_iteration_time']:>8.3f} "
-            f"{100 * r['oracle_gap']:>9.2f}% {100 * r['worst_static_gap']:>9.1f}% "
+            f"{100 * r['oracle_gap']:>9.2f}% {_pct(r['next_layout_gap']):>9} "
+            f"{100 * r['worst_static_gap']:>9.1f}% "
             f"{r['feasible_layouts']:>8} {r['plan_seconds']:>7.2f}"
         )
     worst_gap = max(r["oracle_gap"] for r in rows)
@@ -104,6 +118,10 @@ def format_table(rows: list[dict]) -> str:
         f"{100 * max(r['worst_static_gap'] for r in rows):.1f}%"
     )
     return "\n".join(lines)
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
 
 
 def main() -> None:

@@ -4,8 +4,8 @@ stage splits, and the per-GPU memory estimate.
 Memory per GPU (stated so it can be checked): bf16 weights + fp32 gradients +
 fp32 Adam state and master weights sharded over dp (distributed optimizer:
 6 + 12/dp bytes per trainable parameter; frozen weights 2 bytes), all over tp;
-plus activations of the microbatches 1F1B keeps in flight on stage s
-(min(M, S - s) of them) at the token cap, 34 * hidden / tp bytes per token and
+plus activations of the microbatches in flight on stage s
+(1F1B: min(M, S - s) of them; GPipe: all M) at the token cap, 34 * hidden / tp bytes per token and
 layer (Korthikanti et al. 2022, with flash attention); plus the deferral buffer
 on the stage that receives encoder outputs. With full recomputation only each
 layer's bf16 input is kept, plus one layer's working set.
@@ -143,9 +143,23 @@ def stage_params(model: ModelSpec, st: StagePlan) -> tuple[float, float]:
 
 
 def memory_gb(
-    model, stages, tp, dp, m, max_tokens, enc_tokens, defer_budget, recompute=False, params=None
+    model,
+    stages,
+    tp,
+    dp,
+    m,
+    max_tokens,
+    enc_tokens,
+    defer_budget,
+    recompute=False,
+    params=None,
+    schedule="1f1b",
 ) -> tuple[float, ...]:
-    """GB per GPU of every stage (see the module docstring); ``params``: stage_params per stage."""
+    """GB per GPU of every stage (see the module docstring); ``params``: stage_params per stage.
+
+    GPipe keeps the activations of all M microbatches on every stage; 1F1B at
+    most S - s on stage s.
+    """
     pp = len(stages)
     params = params if params is not None else [stage_params(model, st) for st in stages]
     out = []
@@ -155,7 +169,7 @@ def memory_gb(
     for s, st in enumerate(stages):
         train, frozen = params[s]
         weights = (train * (6 + 12 / dp) + frozen * 2) / tp
-        inflight = min(m, pp - s)
+        inflight = m if schedule == "gpipe" else min(m, pp - s)
         act = 0.0
         peak_layer = 0.0  # full recomputation: one layer's activations live at a time
         for seg in st.segments:

@@ -167,7 +167,7 @@ def make_plan(
     tok = costs.llm_tokens.astype(np.int64)
     ctx = _Context(model, cluster, global_batch, tok[idx], int(tok.max()), _enc_tokens(costs, idx))
     cands, smallest_need = _candidates(
-        ctx, layer_units(model, costs, idx), dp, tp, pp, microbatches
+        ctx, layer_units(model, costs, idx), dp, tp, pp, microbatches, schedule
     )
     if not cands:
         if smallest_need is math.inf:
@@ -311,7 +311,9 @@ def _caps(ctx: _Context, dp: int, m: int) -> tuple[int, int]:
     return cap, int(math.ceil(2 * per_mb))
 
 
-def _candidates(ctx: _Context, units, dp, tp, pp, microbatches) -> tuple[list[Candidate], float]:
+def _candidates(
+    ctx: _Context, units, dp, tp, pp, microbatches, schedule
+) -> tuple[list[Candidate], float]:
     """Every layout meeting the pins whose memory fits, with its analytic time."""
     model, cluster, world = ctx.model, ctx.cluster, ctx.cluster.world_size
     gb = ctx.global_batch
@@ -360,7 +362,7 @@ def _candidates(ctx: _Context, units, dp, tp, pp, microbatches) -> tuple[list[Ca
                     enc_tokens = max(enc_tokens, int(enc_tok.max()))
                     for rc in (False, True):  # recompute only when the layout needs it
                         mem = memory_gb(
-                            model, stages, t, d, mm, cap, enc_tokens, budget, rc, params
+                            model, stages, t, d, mm, cap, enc_tokens, budget, rc, params, schedule
                         )
                         smallest_need = min(smallest_need, max(mem))
                         if max(mem) <= MEMORY_HEADROOM * cluster.gpu_memory_gb:

@@ -213,3 +213,11 @@ def test_static_plan_is_close_to_the_per_batch_oracle(table, spec):
     assert p.expected_iteration_time == pytest.approx(times[full].mean(axis=1).min())
     oracle = np.nanmin(times, axis=0).mean()
     assert p.oracle_gap == pytest.approx(p.expected_iteration_time / oracle - 1)
+
+
+def test_gpipe_keeps_every_microbatch_in_flight(plan, spec):
+    args = (plan.stages, 1, plan.dp, 8, plan.max_tokens, 1000, plan.defer_budget)
+    one_f_one_b = memory_gb(spec, *args)
+    gpipe = memory_gb(spec, *args, schedule="gpipe")
+    assert all(g >= o for g, o in zip(gpipe, one_f_one_b))
+    assert gpipe[-1] > one_f_one_b[-1]  # the last stage holds 1 microbatch under 1F1B, 8 here
