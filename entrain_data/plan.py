@@ -10,7 +10,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from .errors import InvalidInput, PlanError
 from .presets import ModelSpec
@@ -138,9 +138,11 @@ class StagePlan:
             raise InvalidInput(f"plan: malformed stage entry ({exc})") from exc
 
 
-@dataclass(frozen=True)
-class RankCoords:
-    """Where a global rank sits: its DP replica, pipeline stage and tensor-parallel rank."""
+class RankCoords(NamedTuple):
+    """Where a global rank sits: its DP replica, pipeline stage and tensor-parallel rank.
+
+    A named tuple, so ``replica, stage, tp_rank = plan.rank_coords(r)`` works too.
+    """
 
     replica: int
     stage: int

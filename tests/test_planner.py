@@ -221,3 +221,8 @@ def test_gpipe_keeps_every_microbatch_in_flight(plan, spec):
     gpipe = memory_gb(spec, *args, schedule="gpipe")
     assert all(g >= o for g, o in zip(gpipe, one_f_one_b))
     assert gpipe[-1] > one_f_one_b[-1]  # the last stage holds 1 microbatch under 1F1B, 8 here
+
+
+def test_rank_coords_unpack_as_a_tuple(plan):
+    replica, stage, tp_rank = plan.rank_coords(plan.world_size - 1)
+    assert (replica, stage, tp_rank) == (plan.dp - 1, plan.pp - 1, plan.tp - 1)
