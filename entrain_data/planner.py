@@ -328,6 +328,11 @@ def _candidates(
                 f"tp={tp} must divide the {world} GPUs and fit in a node of "
                 f"{cluster.gpus_per_node} GPUs"
             )
+        if model.llm.heads % tp or model.llm.kv_heads % tp and tp % model.llm.kv_heads:
+            raise PlanError(
+                f"tp={tp} does not split the LLM's {model.llm.heads} attention heads "
+                f"({model.llm.kv_heads} KV heads) evenly"
+            )
         tps = [tp]
     if pp is not None and pp > len(units):
         raise PlanError(f"pp={pp} exceeds the model's {len(units)} layers")

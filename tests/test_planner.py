@@ -148,6 +148,8 @@ def test_pinned_dp_and_microbatches(table, spec):
 def test_impossible_pins_name_the_problem(table, spec):
     with pytest.raises(PlanError, match="tp=3"):
         make_plan(table, spec, Cluster(16), 64, batches=2, tp=3)
+    with pytest.raises(PlanError, match="attention heads"):
+        make_plan(table, spec, Cluster(24), 48, batches=2, tp=6)
     with pytest.raises(PlanError, match="dp=5"):
         make_plan(table, spec, Cluster(16), 64, batches=2, dp=5)
     with pytest.raises(InvalidInput, match="global_batch"):
