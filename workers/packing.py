@@ -286,9 +286,10 @@ class SamplePacker:
                         decode.decode_audio(decode.member_payload(ext, members[ext]), SAMPLE_RATE)
                     )
         except SampleError as exc:
-            if exc.key is None:
-                exc.key = key
-            raise
+            if exc.key == key and exc.source == src:
+                raise
+            # name the sample by its index key (a shard names it by its member, maybe prefixed)
+            raise SampleError(str(exc), source=src, key=key) from exc
         except ValueError as exc:
             raise SampleError(f"{src}: sample {key!r}: {exc}", source=src, key=key) from exc
         if llm_only:  # decoded for validation only: an LLM-only sample carries its text
@@ -330,12 +331,18 @@ class SamplePacker:
         skipped: list[dict[str, str]] = []
         bad: set[int] = set()
         decoded: dict[int, DecodedSample] = {}
-        llm_set = set(llm_rows)
-        for row in list(encoder_rows) + [r for r in llm_rows if r not in set(encoder_rows)]:
+        llm_set, enc_set = set(llm_rows), set(encoder_rows)
+        n = len(self.table)
+        wrong = [r for r in (*encoder_rows, *llm_rows) if not 0 <= r < n]
+        if wrong:
+            raise InvalidInput(
+                f"{self.table.origin}: rows {wrong[:5]} outside the index (0..{n - 1})"
+            )
+        for row in list(encoder_rows) + [r for r in llm_rows if r not in enc_set]:
             if row in decoded or row in bad:
                 continue
             try:
-                decoded[row] = self._decode(row, llm_only=row not in set(encoder_rows))
+                decoded[row] = self._decode(row, llm_only=row not in enc_set)
             except SampleError as exc:
                 if self.on_error == "raise":
                     raise
