@@ -185,3 +185,36 @@ def test_cli_serve_stops_on_sigint_and_reports_bad_input(tmp_path, demo_index):
     bad = _cli("serve", "--index", str(tmp_path / "nope.parquet"), "--plan", str(plan))
     assert bad.wait(60) == 2
     assert "nope.parquet" in bad.stdout.read()
+
+
+@pytest.mark.shared_data
+def test_real_webdataset_shards_exactly_once_two_ranks(tmp_path, shared_data):
+    from entrain_data.workers.index_builder import build_index
+
+    wds = shared_data / "webdataset_testdata"
+    index = tmp_path / "index.parquet"
+    # 90 PNG + class samples (gzip tar) and 1,000 gzip text samples: 1,090 real samples
+    write_index(
+        build_index([str(wds / "sample.tgz"), str(wds / "testgz.tar")], progress=False), index
+    )
+    keys = list(read_index(index).keys)
+    plan = demo_plan(dp=2, microbatches=2, global_batch=len(keys) // 2)
+    with EntrainLoader.local(
+        rank=0,
+        index=index,
+        plan=plan,
+        workers=2,
+        timeout=120,
+        socket_dir=str(tmp_path / "entrain-s"),
+    ) as r0:
+        r1 = EntrainLoader(r0.endpoint, 1, timeout=120)
+        got = {0: [], 1: []}
+        for a, b in zip(r0, r1):
+            got[0].append(a)
+            got[1].append(b)
+        r1.close()
+        enc = [k for v in got.values() for m in v for k in m.encoder_keys]
+        llm = [k for v in got.values() for m in v for k in m.llm_keys]
+        assert sorted(enc) == sorted(keys) and sorted(llm) == sorted(keys)
+        pixels = [m for v in got.values() for m in v if "pixel_values" in m]
+        assert pixels  # the PNG samples were decoded and patchified
