@@ -214,6 +214,44 @@ class EntrainLoader:
         service = import_module("entrain_data.workers.service").start_service(**service_options)
         return cls(service.endpoint, rank, prefetch=prefetch, timeout=timeout, _service=service)
 
+    @classmethod
+    def wrap(
+        cls,
+        dataloader_or_dataset: Any,
+        cost_fn: Any,
+        *,
+        plan: Any,
+        rank: int = 0,
+        workers: int | None = None,
+        prefetch: int = 4,
+        timeout: float = 60.0,
+        **service_options: Any,
+    ):
+        """Run a user's torch ``Dataset`` (or a ``DataLoader``'s dataset and collate) in the pool.
+
+        ``cost_fn(i) -> (encoder_cost, llm_cost, tokens)`` prices sample ``i`` so
+        the assignment can balance; the dataset (and collate) must be picklable.
+        Microbatch keys are the dataset indices as strings.
+        """
+        from importlib import import_module
+
+        wk = import_module("entrain_data.workers.worker")
+        ds, collate = dataloader_or_dataset, None
+        if hasattr(ds, "dataset") and hasattr(ds, "collate_fn"):  # a DataLoader
+            collate = ds.collate_fn
+            workers = workers or max(int(getattr(ds, "num_workers", 0)), 1)
+            ds = ds.dataset
+        return cls.local(
+            rank=rank,
+            prefetch=prefetch,
+            timeout=timeout,
+            plan=plan,
+            workers=workers or 1,
+            packer_factory=wk.DatasetPackerFactory(ds, collate),
+            table_costs=wk.DatasetCosts(len(ds), cost_fn),
+            **service_options,
+        )
+
     # ---------------------------------------------------------------- state
     def _conn(self) -> _Conn:
         if self._box[0] is None:

@@ -218,3 +218,31 @@ def test_real_webdataset_shards_exactly_once_two_ranks(tmp_path, shared_data):
         assert sorted(enc) == sorted(keys) and sorted(llm) == sorted(keys)
         pixels = [m for v in got.values() for m in v if "pixel_values" in m]
         assert pixels  # the PNG samples were decoded and patchified
+
+
+class SquaresDataset(torch.utils.data.Dataset):
+    """A user's plain map-style dataset: variable-length int sequences."""
+
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        return {"x": torch.full((4,), i, dtype=torch.int64), "n": i % 5 + 1}
+
+
+def square_cost(i):
+    return (0.0, float((i % 5 + 1) ** 2), i % 5 + 1)
+
+
+def test_wrap_runs_a_users_dataloader_inside_the_worker_pool(tmp_path):
+    from test_service import make_plan
+
+    dl = torch.utils.data.DataLoader(SquaresDataset(), batch_size=4, num_workers=1)
+    with EntrainLoader.wrap(
+        dl, square_cost, plan=make_plan(dp=1, microbatches=2, global_batch=8), timeout=90,
+        socket_dir=str(tmp_path / "entrain-s"),
+    ) as loader:  # fmt: skip
+        mbs = list(loader)
+    assert sorted(int(k) for m in mbs for k in m.llm_keys) == list(range(24))
+    for m in mbs:
+        assert m["x"][:, 0].tolist() == [int(k) for k in m.llm_keys]

@@ -32,6 +32,8 @@ __all__ = [
     "Packed",
     "Packer",
     "IndexPackerFactory",
+    "DatasetPackerFactory",
+    "DatasetCosts",
     "WorkerPool",
     "run_worker",
     "stop_processes",
@@ -307,3 +309,65 @@ def stop_processes(procs: list[Any], timeout: float) -> None:
             log.error("process %s (pid %s) ignored SIGTERM; killing", p.name, p.pid)
             p.kill()
             p.join(1.0)
+
+
+@dataclass(frozen=True)
+class DatasetPackerFactory:
+    """Picklable recipe for running a user's torch ``Dataset`` inside the worker pool.
+
+    Rows are dataset indices, keys their ``str``. The LLM set is collated with
+    ``collate_fn`` (default: torch's ``default_collate``) and must give a dict of
+    tensors/arrays; when the encoder set differs (deferral), its collated tensors
+    follow under ``encoder/<name>``. The dataset must be picklable (spawn).
+    """
+
+    dataset: Any
+    collate_fn: Callable[[list[Any]], Any] | None = None
+
+    def __call__(self) -> Packer:
+        return _DatasetPacker(self.dataset, self.collate_fn)
+
+
+class _DatasetPacker:
+    def __init__(self, dataset: Any, collate_fn: Callable[[list[Any]], Any] | None) -> None:
+        if collate_fn is None:
+            from torch.utils.data import default_collate
+
+            collate_fn = default_collate
+        self.dataset, self.collate = dataset, collate_fn
+
+    def _collate(self, rows: list[int], prefix: str) -> dict[str, np.ndarray]:
+        if not rows:
+            return {}
+        batch = self.collate([self.dataset[i] for i in rows])
+        if not isinstance(batch, dict):
+            raise TypeError(f"collate_fn must return a dict of tensors, got {type(batch).__name__}")
+        out = {}
+        for name, value in batch.items():
+            arr = value.numpy() if hasattr(value, "numpy") else np.asarray(value)
+            out[prefix + str(name)] = arr
+        return out
+
+    def __call__(self, encoder_rows: list[int], llm_rows: list[int]) -> Packed:
+        tensors = self._collate(llm_rows, "")
+        if sorted(encoder_rows) != sorted(llm_rows):
+            tensors.update(self._collate(encoder_rows, "encoder/"))
+        return Packed([str(i) for i in encoder_rows], [str(i) for i in llm_rows], tensors)
+
+
+@dataclass(frozen=True)
+class DatasetCosts:
+    """Picklable: per-sample costs of a wrapped dataset from the user's ``cost_fn(index)``.
+
+    ``cost_fn(i)`` returns ``(encoder_cost, llm_cost, tokens)`` for sample ``i``
+    from cheap metadata (it is called for every index once, in the coordinator).
+    """
+
+    length: int
+    cost_fn: Callable[[int], tuple[float, float, int]]
+
+    def __call__(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        vals = np.array([self.cost_fn(i) for i in range(self.length)], dtype=np.float64)
+        if vals.ndim != 2 or vals.shape[1] != 3:
+            raise TypeError("cost_fn(i) must return (encoder_cost, llm_cost, tokens)")
+        return vals[:, :1], vals[:, 1], vals[:, 2].astype(np.int64)
