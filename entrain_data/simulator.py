@@ -113,46 +113,71 @@ def _check(fwd: np.ndarray, bwd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return fwd, bwd
 
 
-def simulate_pipeline(fwd: np.ndarray, bwd: np.ndarray, schedule: str = "1f1b") -> PipelineResult:
-    """Simulate one iteration; ``fwd``/``bwd`` are [R, M, S] seconds."""
-    fwd, bwd = _check(fwd, bwd)
-    r_count, m, s_count = fwd.shape
-    order = schedule_order(schedule, m, s_count)
-    f_end = np.full((s_count, m, r_count), np.nan)
-    b_end = np.full((s_count, m, r_count), np.nan)
-    free = np.zeros((s_count, r_count))
-    ptr = [0] * s_count
-    remaining = 2 * m * s_count
-    ft = np.ascontiguousarray(fwd.transpose(2, 1, 0))  # [S, M, R]
-    bt = np.ascontiguousarray(bwd.transpose(2, 1, 0))
-    while remaining:
+@lru_cache(maxsize=256)
+def _topological(schedule: str, microbatches: int, stages: int) -> tuple[tuple[int, int, int], ...]:
+    """Every op ``(stage, kind, microbatch)`` in an order where its dependencies come first.
+
+    Found once per shape by running the schedule's per-stage order to a fixed
+    point, so the simulation itself is one pass with no readiness checks.
+    """
+    order = schedule_order(schedule, microbatches, stages)
+    done_f = [[False] * microbatches for _ in range(stages)]
+    done_b = [[False] * microbatches for _ in range(stages)]
+    ptr = [0] * stages
+    out: list[tuple[int, int, int]] = []
+    while len(out) < 2 * microbatches * stages:
         progressed = False
-        for s in range(s_count):
-            ops = order[s]
-            while ptr[s] < len(ops):
-                kind, j = ops[ptr[s]]
+        for s in range(stages):
+            while ptr[s] < len(order[s]):
+                kind, j = order[s][ptr[s]]
                 if kind == 0:
-                    if s > 0:
-                        dep = f_end[s - 1, j]
-                        if np.isnan(dep[0]):
-                            break
-                        start = np.maximum(free[s], dep)
-                    else:
-                        start = free[s]
-                    end = start + ft[s, j]
-                    f_end[s, j] = end
-                else:
-                    dep = b_end[s + 1, j] if s + 1 < s_count else f_end[s, j]
-                    if np.isnan(dep[0]):
+                    if s > 0 and not done_f[s - 1][j]:
                         break
-                    end = np.maximum(free[s], dep) + bt[s, j]
-                    b_end[s, j] = end
-                free[s] = end
+                    done_f[s][j] = True
+                else:
+                    if not (done_b[s + 1][j] if s + 1 < stages else done_f[s][j]):
+                        break
+                    done_b[s][j] = True
+                out.append((s, kind, j))
                 ptr[s] += 1
-                remaining -= 1
                 progressed = True
         if not progressed:  # pragma: no cover - the schedules above are deadlock-free
             raise RuntimeError(f"schedule {schedule!r} deadlocked at {ptr}")
+    return tuple(out)
+
+
+def simulate_pipeline(fwd: np.ndarray, bwd: np.ndarray, schedule: str = "1f1b") -> PipelineResult:
+    """Simulate one iteration; ``fwd``/``bwd`` are [R, M, S] seconds.
+
+    Every op starts when its stage is free and its dependency has ended; the
+    recurrence runs once in a topological order with arrays over replicas (plain
+    floats for a single replica, where numpy's per-call cost would dominate).
+    """
+    fwd, bwd = _check(fwd, bwd)
+    r_count, m, s_count = fwd.shape
+    topo = _topological(schedule, m, s_count)
+    if r_count == 1:
+        ft, bt = fwd[0].T.tolist(), bwd[0].T.tolist()  # [S][M]
+        zero = 0.0
+        maximum = max
+    else:
+        ft = list(np.ascontiguousarray(fwd.transpose(2, 1, 0)))  # [S] of [M, R]
+        bt = list(np.ascontiguousarray(bwd.transpose(2, 1, 0)))
+        zero = np.zeros(r_count)
+        maximum = np.maximum
+    f_end = [[zero] * m for _ in range(s_count)]
+    b_end = [[zero] * m for _ in range(s_count)]
+    free = [zero] * s_count
+    last = s_count - 1
+    for s, kind, j in topo:
+        if kind == 0:
+            start = maximum(free[s], f_end[s - 1][j]) if s else free[s]
+            end = f_end[s][j] = start + ft[s][j]
+        else:
+            dep = b_end[s + 1][j] if s < last else f_end[s][j]
+            end = b_end[s][j] = maximum(free[s], dep) + bt[s][j]
+        free[s] = end
+    free = np.asarray(free, dtype=np.float64).reshape(s_count, r_count)
     replica_times = free.max(axis=0)
     busy = (fwd + bwd).sum(axis=1)  # [R, S]
     worst = int(np.argmax(replica_times))

@@ -115,3 +115,17 @@ def test_ideal_and_lower_bound_closed_forms():
     lb = lower_bound(fwd, bwd)
     assert lb == pytest.approx((fwd + bwd).sum(axis=1).mean(axis=0).max())
     assert lb <= ideal_iteration_time(fwd, bwd) <= simulate_pipeline(fwd, bwd).iteration_time
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_each_replica_is_simulated_alone(schedule):
+    # the one-replica path (plain floats) and the vectorised path agree replica by replica
+    rng = np.random.default_rng(3)
+    fwd = rng.lognormal(0, 0.5, (4, 9, 5))
+    bwd = rng.lognormal(0.5, 0.5, (4, 9, 5))
+    res = simulate_pipeline(fwd, bwd, schedule)
+    alone = [
+        simulate_pipeline(fwd[r : r + 1], bwd[r : r + 1], schedule).iteration_time for r in range(4)
+    ]
+    assert res.replica_times == pytest.approx(alone)
+    assert res.iteration_time == pytest.approx(max(alone))
