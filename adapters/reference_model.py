@@ -22,8 +22,9 @@ microbatch that consumes them backpropagates into the encoder (split backward).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,6 +45,7 @@ __all__ = [
     "pack_microbatch",
     "packed_causal_mask",
     "encode_into_buffer",
+    "synthetic_stream",
 ]
 
 log = logging.getLogger(__name__)
@@ -365,3 +367,33 @@ def pack_microbatch(
     return Microbatch(
         0, iteration, microbatch, replica, list(encoder_keys), list(llm_keys), t, meta
     )
+
+
+def synthetic_stream(
+    plan: Any, replica: int, steps: int, samples_per_batch: int | None = None, seed: int = 0
+) -> Iterator[Microbatch]:
+    """Replica ``replica``'s microbatches for ``steps`` iterations of synthetic global batches,
+    assigned by Entrain's ``assign()`` as the loader service would (examples, smoke tests)."""
+    from ..assignment import assign
+
+    n = samples_per_batch or plan.global_batch
+    for it in range(steps):
+        batch = synthetic_samples(n, seed=seed + it, prefix=f"i{it}-")
+        enc = np.array([s.encoder_tokens**1.5 for s in batch], dtype=float)
+        llm = np.array([s.llm_tokens for s in batch], dtype=float)
+        tok = np.array([s.llm_tokens for s in batch], dtype=np.int64)
+        a = assign(
+            enc, llm, tok, dp=plan.dp, microbatches=plan.microbatches, max_tokens=plan.max_tokens,
+            defer_budget=plan.defer_budget, method=plan.method, seed=seed, iteration=it,
+        )  # fmt: skip
+        by_key = {s.key: s for s in batch}
+        keys = [s.key for s in batch]
+        for j in range(plan.microbatches):
+            yield pack_microbatch(
+                by_key,
+                [keys[i] for i in a.encoder_sets[replica][j]],
+                [keys[i] for i in a.llm_sets[replica][j]],
+                iteration=it,
+                microbatch=j,
+                replica=replica,
+            )
