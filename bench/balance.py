@@ -158,7 +158,7 @@ def print_table(r) -> None:
     )
     print(
         f"{'method':22s} {'cvE':>7s} {'cvL':>7s} {'xSeqE':>6s} {'xSeqL':>6s} {'stageCV':>22s} "
-        f"{'T(s)':>8s} {'T/ideal':>8s} {'vsSeq':>6s} {'vsBest':>7s} {'ms':>6s}"
+        f"{'T(s)':>8s} {'T/ideal':>8s} {'vsSeq':>6s} {'vsBest':>7s} {'ms':>6s} {'carried':>7s}"
     )
     for k, v in r["methods"].items():
         scv = ",".join(f"{x:.2f}" for x in v["stage_cv"])

@@ -300,22 +300,53 @@ def _order_by_llm(ebin, members_ok, llm, m):
     return np.where(members_ok, np.take_along_axis(rank, np.maximum(ebin, 0), axis=1), -1)
 
 
+_MOUNTAIN = True
+_EDGE_WEIGHT = 0.05  # 1F1B fill/drain: a heavy first or last microbatch costs the whole pipe
+_ENC_SLACK = 0.10  # a candidate's encoder CV may exceed the LPT sets' by this share
+
+
+def _order_mountain(ebin, ok, enc_w, llm, m):
+    """Renumber bins so the heaviest (encoder + LLM, each normalised) sit in the middle."""
+    r_count = llm.shape[0]
+    rows = np.broadcast_to(np.arange(r_count)[:, None], ebin.shape)
+    tot = enc_w / max(float(enc_w[ok].mean()) if ok.any() else 1.0, 1e-30) + llm / max(
+        float(llm[ok].mean()) if ok.any() else 1.0, 1e-30
+    )
+    load = np.zeros((r_count, m))
+    np.add.at(load, (rows[ok], ebin[ok]), tot[ok])
+    centre = (m - 1) / 2
+    pos_order = np.argsort(np.abs(np.arange(m) - centre), kind="stable")
+    heavy_first = np.argsort(-load, axis=1, kind="stable")
+    newpos = np.empty((r_count, m), dtype=np.int64)
+    np.put_along_axis(newpos, heavy_first, np.broadcast_to(pos_order, (r_count, m)), axis=1)
+    return np.where(ok, np.take_along_axis(newpos, np.maximum(ebin, 0), axis=1), -1)
+
+
 def _score(eidx, lidx, valid, enc_cols, llm, m):
-    """[R] worst per-module peak/mean microbatch load (encoders from E, LLM from L)."""
+    """[R] how unbalanced a candidate is: the sum over modules (each encoder from E, the
+    LLM from L) of the squared CV of per-microbatch load, plus the worst peak/mean as a
+    small tie-break. Squared CVs favour candidates with no badly balanced module.
+    Also returns the worst encoder column's CV (encoder balance comes first)."""
     r_count = llm.shape[0]
     rr = np.broadcast_to(np.arange(r_count)[:, None], llm.shape)
     cols = [(eidx, enc_cols[..., e]) for e in range(enc_cols.shape[2])] + [(lidx, llm)]
+    score = np.zeros(r_count)
     worst = np.zeros(r_count)
-    total = np.zeros(r_count)
-    for idx, c in cols:
+    enc_cv = np.zeros(r_count)
+    for k, (idx, c) in enumerate(cols):
         ok = valid & (idx >= 0)
         loads = np.zeros((r_count, m))
         np.add.at(loads, (rr[ok], idx[ok]), c[ok])
         mean = loads.mean(axis=1)
-        rel = np.where(mean > 0, loads.max(axis=1) / np.where(mean > 0, mean, 1.0), 1.0)
-        worst = np.maximum(worst, rel)
-        total += rel
-    return worst + 1e-3 * total
+        safe = np.where(mean > 0, mean, 1.0)
+        cv = np.where(mean > 0, loads.std(axis=1) / safe, 0.0)
+        score += cv**2
+        if k < len(cols) - 1:
+            enc_cv = np.maximum(enc_cv, cv)
+        worst = np.maximum(worst, np.where(mean > 0, loads.max(axis=1) / safe, 1.0))
+        edge = np.maximum(loads[:, 0], loads[:, -1]) / safe - 1.0
+        score += _EDGE_WEIGHT * np.where(mean > 0, np.maximum(edge, 0.0), 0.0) / len(cols)
+    return score + 1e-3 * worst, enc_cv
 
 
 def _fits_cap(bins, valid, tok, m, cap):
@@ -348,7 +379,11 @@ def assign_entrain(x: Inputs, seed: int, iteration: int, tolerance: float = 0.02
     ebin = lpt_bins(enc_w, has_enc, m)
     per_bin = members.shape[1] / m
     refine_bins(ebin, enc_w, has_enc, m, iters=2 * m if per_bin <= 16 else max(4, m // 2))
-    eidx = _order_by_llm(ebin, has_enc, llm, m)
+    eidx = (
+        _order_mountain(ebin, has_enc, enc_w, llm, m)
+        if _MOUNTAIN
+        else _order_by_llm(ebin, has_enc, llm, m)
+    )
     lidx2, failed2 = _llm_sets_lpt(eidx, has_enc, valid, llm, tok, m, cap, budget)
     cands = [(eidx, lidx2, failed2)]
     if x.n < _ALL_CANDIDATES_BELOW:
@@ -362,6 +397,13 @@ def _more_candidates(eidx, has_enc, valid, enc_cols, llm, tok, m, cap, budget, t
     """The costlier candidates, tried where the batch is small enough to afford them."""
     lidx, failed = _llm_sets(eidx, has_enc, valid, llm, tok, m, cap, budget, tolerance)
     cands = [(eidx, lidx, failed)]
+    # the same encoder sets, LLM-heaviest first: the most room for deferral
+    ebin = np.where(has_enc, eidx, -1)
+    eidx_d = _order_by_llm(ebin, has_enc, llm, m)
+    for builder in (_llm_sets, _llm_sets_lpt):
+        args = (eidx_d, has_enc, valid, llm, tok, m, cap, budget)
+        lidx_d, failed_d = builder(*args, tolerance) if builder is _llm_sets else builder(*args)
+        cands.append((eidx_d, lidx_d, failed_d))
 
     # candidate B: encoder sets balancing every encoder column, the LLM and tokens together
     # (vector LPT); their LLM sets are the encoder sets themselves or a deferral of them
@@ -387,9 +429,14 @@ def _pick(cands, x, members, valid, has_enc, enc_cols, enc_w, llm, tok, m):
     eidx_out = np.zeros_like(eidx)
     lidx_out = np.zeros_like(eidx)
     failed = np.ones(r_count, bool)
+    enc_ref = None
     for ce, cl, cf in cands:
         e_eff = np.where(has_enc, ce, cl)
-        sc = np.where(cf, np.inf, _score(e_eff, cl, valid, enc_cols, llm, m))
+        sc, ecv = _score(e_eff, cl, valid, enc_cols, llm, m)
+        if enc_ref is None:  # the first candidate's encoder sets are LPT-tight: the reference
+            enc_ref = np.where(cf, np.inf, ecv)
+        # the encoders produce at a constant rate first: no candidate may give that up
+        sc = np.where(cf | (ecv > enc_ref * (1 + _ENC_SLACK) + 1e-3), np.inf, sc)
         better = sc < best_score
         best_score = np.where(better, sc, best_score)
         eidx_out = np.where(better[:, None], e_eff, eidx_out)
@@ -403,7 +450,39 @@ def _pick(cands, x, members, valid, has_enc, enc_cols, enc_w, llm, tok, m):
         )
         eidx[r, v] = joint
         lidx[r, v] = joint
+    eidx, lidx = _edges_light(eidx, lidx, valid, enc_w, llm, m)
     return _to_assignment("entrain", members, valid, eidx, lidx, r_count, m)
+
+
+def _edges_light(eidx, lidx, valid, enc_w, llm, m):
+    """Reorder the microbatches of replicas without deferral so the heaviest sit in the middle.
+
+    1F1B pays the first microbatch's forward and the last one's backward across every
+    stage (fill and drain) on top of the steady state; heavy microbatches there lengthen
+    the iteration, in the middle they are absorbed. Replicas that defer keep their order:
+    a permutation could put a sample's LLM set before its encoder set.
+    """
+    r_count = llm.shape[0]
+    joint = ((eidx == lidx) | ~valid).all(axis=1)
+    if not joint.any() or m < 3:
+        return eidx, lidx
+    rows = np.arange(r_count)[:, None]
+    tot = enc_w / max(float(enc_w[valid].mean()), 1e-30) + llm / max(
+        float(llm[valid].mean()), 1e-30
+    )
+    load = np.zeros((r_count, m))
+    ok = valid & (lidx >= 0)
+    np.add.at(load, (np.broadcast_to(rows, lidx.shape)[ok], lidx[ok]), tot[ok])
+    # positions from the centre outwards: the heaviest microbatch gets the centre
+    centre = (m - 1) / 2
+    pos_order = np.argsort(np.abs(np.arange(m) - centre), kind="stable")
+    heavy_first = np.argsort(-load, axis=1, kind="stable")  # [R, m] old bin ids
+    newpos = np.empty((r_count, m), dtype=np.int64)
+    np.put_along_axis(newpos, heavy_first, np.broadcast_to(pos_order, (r_count, m)), axis=1)
+    remap = np.where(joint[:, None], newpos, np.arange(m)[None, :])
+    e2 = np.where(valid, np.take_along_axis(remap, np.maximum(eidx, 0), axis=1), eidx)
+    l2 = np.where(valid, np.take_along_axis(remap, np.maximum(lidx, 0), axis=1), lidx)
+    return e2, l2
 
 
 def _llm_sets(eidx, has_enc, valid, llm, tok, m, cap, budget, tol):
