@@ -14,7 +14,7 @@ DP-averaged gradient is exactly the gradient of the global batch's per-token
 synchronisation off for all but the last microbatch (``no_sync`` for DDP,
 ``set_requires_gradient_sync`` for FSDP2) and carries deferred samples' encoder
 outputs between microbatches in an :class:`~.common.EncoderOutputBuffer`.
-The pipelining half lives in :mod:`.torch_pipeline`.
+torch.distributed.pipelining (1F1B with per-step padding) is not built yet.
 """
 
 from __future__ import annotations
