@@ -11,7 +11,7 @@ Public API (stable; ``entrain-data demo`` calls it):
   conversation (``json``);
 - ``multi_image`` (15%): 2-4 JPEGs + a conversation comparing them;
 - ``audio`` (20%): a 16 kHz WAV (1-30 s of tones, chirps and noise) + a transcript-like reply;
-- ``text`` (15%): a text-only conversation of 1-40 turns.
+- ``text`` (15%): a text-only conversation of 2-16 turns (byte-level tokens: up to ~4K).
 
 Payloads are drawn procedurally (so they compress like real media) from ``numpy`` generators
 seeded per sample: the same ``seed`` gives byte-identical shards (tar headers use mtime 0).
@@ -147,7 +147,7 @@ def _conversation(rng: np.random.Generator, turns: int, first: str | None = None
         text = (
             first
             if (t == 0 and first)
-            else _paragraph(rng, int(rng.integers(1, 4 if human else 8)))
+            else _paragraph(rng, int(rng.integers(1, 3 if human else 6)))
         )
         conv.append({"from": "human" if human else "gpt", "value": text})
     return json.dumps({"conversations": conv}).encode()
@@ -178,7 +178,7 @@ def demo_sample(seed: int, index: int) -> tuple[str, dict[str, bytes]]:
         out["wav"] = _wav(rng, round(seconds, 2))
         out["json"] = _conversation(rng, 2, "Transcribe the audio.")
     else:
-        out["json"] = _conversation(rng, 2 * int(rng.integers(1, 21)))
+        out["json"] = _conversation(rng, 2 * int(rng.integers(1, 9)))
     return kind, out
 
 
