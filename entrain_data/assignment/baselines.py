@@ -212,17 +212,23 @@ def _equal_count_lpt(cost: np.ndarray, k: int) -> np.ndarray:
 
 
 def assign_wlb_llm(x: Inputs) -> Assignment:
-    """WLB-LLM (Wang et al., 2025) variable-length packing with outlier delay: samples whose
-    workload exceeds half of a microbatch's mean workload go to an outlier queue and are delayed
-    to the next iteration (returned in ``carried``) unless enough of them exist to give every
-    microbatch at most one; the rest are placed largest first into the microbatch with the lowest
-    workload that still fits the token cap. Workload: encoder + LLM cost."""
+    """WLB-LLM (Wang et al., 2025, Algorithm 1) variable-length packing with outlier delay:
+    samples whose workload exceeds half of a microbatch's mean workload go to an outlier queue;
+    once the queue holds at least one per microbatch, that many (the oldest) are released into
+    this iteration, the others wait (returned in ``carried``). The rest are placed largest first
+    into the microbatch with the lowest workload that still fits the token cap. Workload:
+    encoder + LLM cost. Adaptation: ``assign`` is stateless, so the queue is the batch's own
+    outliers; the caller prepends ``carried`` to the next batch (oldest first)."""
     b, r_count, m = x.n, x.dp, x.microbatches
     bins = r_count * m
     work = x.enc.sum(axis=1) + x.llm
-    outlier = work > 0.5 * work.sum() / bins
-    keep_out = int(outlier.sum()) < bins and (b - int(outlier.sum())) >= bins
-    carried = np.flatnonzero(outlier) if keep_out and outlier.any() else np.zeros(0, np.int64)
+    out_idx = np.flatnonzero(work > 0.5 * work.sum() / bins)
+    if len(out_idx) >= bins:  # the queue releases one outlier per microbatch, oldest first
+        carried = out_idx[bins:]
+    elif b - len(out_idx) >= bins:  # too few to spread: all wait in the queue
+        carried = out_idx
+    else:
+        carried = np.zeros(0, np.int64)
     placed = np.setdiff1d(np.arange(b), carried)
     loads = np.zeros(bins)
     toks = np.zeros(bins, np.int64)
