@@ -250,6 +250,7 @@ class DecoderLLM(nn.Module):
             raise ValueError(f"DecoderLLM needs an llm ModuleConfig, got {cfg.kind!r}")
         self.cfg, self.recompute, self.loss_chunk = cfg, recompute, loss_chunk
         self.tok_embed = nn.Embedding(cfg.vocab, cfg.hidden)
+        nn.init.normal_(self.tok_embed.weight, std=0.02)  # Llama's init; N(0, 1) gives huge logits
         self.layers = nn.ModuleList(Block(cfg, qkv_bias=False) for _ in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden, cfg.vocab, bias=False)
