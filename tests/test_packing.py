@@ -337,3 +337,30 @@ def test_parquet_table_rows_pack_like_shards(tmp_path):
         "audio_lengths"
     ].tolist() == [200]
     _check_invariants(out.tensors, out.llm_keys, [0, 1, 2], table, packer)
+
+
+def test_tokenizer_by_name_and_object(demo):
+    from entrain_data.workers.tokenizer import HFTokenizer, as_tokenizer
+
+    assert isinstance(as_tokenizer("byte"), ByteTokenizer)
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        with pytest.raises(InvalidInput, match="transformers"):
+            as_tokenizer("gpt2")
+
+    class Words:
+        bos_token_id, eos_token_id, vocab_size = 7, 8, 1000
+
+        def encode(self, text, add_special_tokens=True):
+            return [10 + len(w) for w in text.split()]
+
+    tok = as_tokenizer(Words())
+    assert isinstance(tok, HFTokenizer) and (tok.image_token_id, tok.audio_token_id) == (1000, 1001)
+    index, table = demo
+    words_table = build_index(list(dict.fromkeys(table.sources)), tokenizer=Words(), progress=False)
+    out = make_packer(str(index), model=MODEL, tokenizer=Words())([], [0, 1, 2])
+    lens = np.diff(out.tensors["cu_seqlens"])
+    costs = per_sample_costs(words_table.take([0, 1, 2]), MODEL)
+    assert np.array_equal(lens, costs.llm_tokens)  # same tokenizer in index and packer: exact
+    assert out.meta["image_token_id"] == 1000

@@ -6,7 +6,8 @@ Public API (stable):
   ``PAD_ID`` 0, ``IMAGE_TOKEN_ID`` 1, ``AUDIO_TOKEN_ID`` 2, ``BOS_ID`` 3, ``EOS_ID`` 4; vocabulary
   261. Deterministic, dependency-free and *exact*: the index builder's token count is the number of
   ids the packer emits (a byte is a token, so counts are ~4x a BPE tokenizer's on English).
-- ``as_tokenizer(obj) -> TextTokenizer``: ``None`` -> ByteTokenizer; an object with ``.encode``
+- ``as_tokenizer(obj) -> TextTokenizer``: ``None``/``"byte"`` -> ByteTokenizer; a string -> the
+  Hugging Face tokenizer of that name or path (``transformers`` needed); an object with ``.encode``
   (a ``transformers`` tokenizer, or anything alike) -> a wrapper that encodes without special
   tokens and takes BOS/EOS and the placeholder ids from the object when it has them.
 - ``sample_text_ids(segments, tokenizer) -> (ids, loss_mask)``: the text part of one sample,
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
+
+from entrain_data.errors import InvalidInput
 
 from .decode import TextSegment
 
@@ -105,9 +108,22 @@ class HFTokenizer:
 
 
 def as_tokenizer(obj: Any = None) -> TextTokenizer:
-    """``None`` -> :class:`ByteTokenizer`; a tokenizer wrapper as is; an object with ``encode`` wrapped."""
-    if obj is None:
+    """``None`` or ``"byte"`` -> :class:`ByteTokenizer`; a string -> a Hugging Face tokenizer of
+    that name or path (needs ``transformers``); an object with ``encode`` wrapped."""
+    if obj is None or (isinstance(obj, str) and obj in ("", "byte", "bytes")):
         return ByteTokenizer()
+    if isinstance(obj, str):
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as exc:
+            raise InvalidInput(
+                f"tokenizer {obj!r}: loading a Hugging Face tokenizer by name needs the "
+                "'transformers' package (pip install transformers), or pass a tokenizer object"
+            ) from exc
+        try:
+            return HFTokenizer(AutoTokenizer.from_pretrained(obj))
+        except (OSError, ValueError) as exc:
+            raise InvalidInput(f"tokenizer {obj!r}: cannot load it ({exc})") from exc
     if isinstance(obj, (ByteTokenizer, HFTokenizer)):
         return obj
     if hasattr(obj, "encode"):
