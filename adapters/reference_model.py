@@ -88,8 +88,21 @@ def packed_causal_mask(cu_seqlens: torch.Tensor) -> torch.Tensor:
     return _block_mask(torch.diff(cu_seqlens.long()), causal=True, device=cu_seqlens.device)
 
 
+class Segments(tuple):
+    """Segment lengths of a packed sequence (+ causality): attention runs per segment, so its cost
+    is the sum of squared segment lengths, not the square of the packed length."""
+
+    causal: bool
+
+    def __new__(cls, lengths: Sequence[int], causal: bool):
+        obj = super().__new__(cls, (int(n) for n in lengths))
+        obj.causal = causal
+        return obj
+
+
 class _Block(nn.Module):
-    """Pre-norm transformer block over a packed sequence; ``mask`` keeps segments apart."""
+    """Pre-norm transformer block over a packed sequence; ``mask`` (a [T, T] boolean mask or
+    :class:`Segments`) keeps segments apart."""
 
     def __init__(self, hidden: int, heads: int):
         super().__init__()
@@ -102,12 +115,24 @@ class _Block(nn.Module):
             nn.Linear(hidden, 2 * hidden), nn.GELU(), nn.Linear(2 * hidden, hidden)
         )
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | Segments) -> torch.Tensor:
         t, h = x.shape
         q, k, v = (
             self.qkv(self.norm1(x)).view(t, 3, self.heads, h // self.heads).permute(1, 2, 0, 3)
         )
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [heads, t, d]
+        if isinstance(mask, Segments):
+            parts, start = [], 0
+            for n in mask:
+                sl = slice(start, start + n)
+                parts.append(
+                    F.scaled_dot_product_attention(
+                        q[:, sl], k[:, sl], v[:, sl], is_causal=mask.causal
+                    )
+                )
+                start += n
+            attn = torch.cat(parts, dim=1) if parts else q
+        else:
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [heads, t, d]
         x = x + self.proj(attn.transpose(0, 1).reshape(t, h))
         return x + self.mlp(self.norm2(x))
 
@@ -122,8 +147,7 @@ class _Encoder(nn.Module):
         self.projector = nn.Linear(hidden, out_dim)
 
     def forward(self, x: torch.Tensor, item_lengths: Sequence[int]) -> torch.Tensor:
-        mask = _block_mask(item_lengths, causal=False, device=x.device)
-        return self.projector(self.block(self.embed(x), mask))
+        return self.projector(self.block(self.embed(x), Segments(item_lengths, causal=False)))
 
 
 class ReferenceMLLM(nn.Module):
@@ -232,7 +256,7 @@ class ReferenceMLLM(nn.Module):
         buffer = buffer if buffer is not None else EncoderOutputBuffer()
         encoded = encode_into_buffer(self, mb, buffer)
         x = self.embed(mb, encoded) + self.dummy_touch()
-        mask = self.llm_mask(mb)
+        mask = Segments(torch.diff(mb["cu_seqlens"].long()).tolist(), causal=True)
         for layer in self.layers:
             x = layer(x, mask)
         return self.head_loss(x, mb, mode)
