@@ -80,6 +80,7 @@ def test_local_loader_serves_packed_multimodal_microbatches(tmp_path, demo_index
     assert not (tmp_path / "entrain-s").exists()
 
 
+@pytest.mark.slow
 def test_local_loader_reports_a_service_that_died(tmp_path, demo_index):
     bad = demo_plan(dp=1)
     bad = ParallelPlan.from_dict(
@@ -118,6 +119,7 @@ def _cli(*args, **kw):
     )
 
 
+@pytest.mark.slow
 def test_cli_index_then_serve_until_the_epoch_ends(tmp_path, demo_index):
     shards = sorted(str(p) for p in (demo_index.parent / "shards").glob("*.tar"))
     index = tmp_path / "index.parquet"
@@ -234,6 +236,7 @@ def square_cost(i):
     return (0.0, float((i % 5 + 1) ** 2), i % 5 + 1)
 
 
+@pytest.mark.slow
 def test_wrap_runs_a_users_dataloader_inside_the_worker_pool(tmp_path):
     from test_service import make_plan
 

@@ -38,6 +38,7 @@ def _rest(loaders, its, out):
         out[ld.rank].extend(it)
 
 
+@pytest.mark.slow
 def test_worker_killed_mid_epoch_is_restarted_and_epoch_stays_exactly_once(tmp_path, dataset):
     svc = start(tmp_path, dataset, make_plan())
     loaders = [EntrainLoader(svc.endpoint, r, prefetch=2, timeout=30) for r in (0, 1)]
@@ -149,6 +150,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_curve_client_without_the_key_is_rejected(tmp_path, dataset):
     pub, sec = zmq.curve_keypair()
     endpoint = f"tcp://127.0.0.1:{_free_port()}"

@@ -308,16 +308,14 @@ class Coordinator:
         )
         log.info("rank %d (replica %d) connected at %s", rank, coords.replica, (epoch, it, mb))
         if self.ranks[rank].next_pos >= self.end_pos:
-            self._finish(front, self.ranks[rank])
-
-    def _finish(self, front: zmq.Socket, r: _Rank) -> None:
-        self.done.add(r.rank)
+            self.done.add(rank)
 
     # ------------------------------------------------------------ production
     def _wanted(self) -> set[tuple[int, int]]:
         want: set[tuple[int, int]] = set()
         for r in self.ranks.values():
-            hi = min(r.next_pos + max(self.cfg.window, r.credits), self.end_pos)
+            ahead = max(self.cfg.window, min(r.credits, 4 * self.cfg.window))  # bounded
+            hi = min(r.next_pos + ahead, self.end_pos)
             want.update((r.replica, p) for p in range(r.next_pos, hi))
         return want
 
@@ -441,7 +439,7 @@ class Coordinator:
                 if it == self.shape.iterations - 1 and mb == self.shape.microbatches - 1:
                     self._reply(front, r.ident, "end", {"epoch": epoch})
                 if r.next_pos >= self.end_pos:
-                    self._finish(front, r)
+                    self.done.add(r.rank)
 
     # ----------------------------------------------------------------- stats
     def stats(self) -> dict[str, Any]:
