@@ -5,10 +5,12 @@
    project's own generator, cached under ``--out``;
 2. builds the Parquet index from the shard headers;
 3. macro-profiles it and derives the static plan for 2 data-parallel ranks;
-4. for ``sequential`` (Megatron-LM's fixed-count microbatches) and ``entrain``,
-   starts the loader service, trains the tiny reference MLLM (vision + audio
-   encoders, decoder LLM) with DDP on 2 gloo ranks through the torch adapter,
-   and times every microbatch's encoder and LLM forward;
+4. for ``sequential`` (Megatron-LM's fixed-count microbatches) and then
+   ``entrain``, starts the loader service, trains the tiny reference MLLM
+   (vision + audio encoders, decoder LLM) with DDP on 2 gloo ranks through the
+   torch adapter, and times every microbatch's encoder and LLM forward; between
+   the two runs the cost model is calibrated (least squares) to the timings of
+   the first, and the plan that ``entrain`` is served from carries that fit;
 5. prints the balance table (per-microbatch load CV measured in this run, the
    cost model's CV, measured and simulated step time) and plots the loads.
 
@@ -28,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from entrain_data.cost_model import per_sample_costs
+from entrain_data.cost_model import calibrate, per_sample_costs
 from entrain_data.errors import WorkerDied
 from entrain_data.metadata import read_index, write_index
 from entrain_data.plan import Cluster, ParallelPlan
@@ -136,26 +138,31 @@ def _rank_main(rank: int, port: int, endpoint: str, out_path: str, seed: int, lr
         model = ReferenceMLLM(demo_reference_config())
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.AdamW(ddp.parameters(), lr=lr)
-        enc_time = [0.0]
-        starts: dict[int, float] = {}
+        enc_time = {"vision": 0.0, "audio": 0.0}
+        starts: dict[str, float] = {}
 
-        def pre(mod, _inp):
-            starts[id(mod)] = time.perf_counter()
+        def hooks(name: str):
+            def pre(_mod, _inp):
+                starts[name] = time.perf_counter()
 
-        def post(mod, _inp, _out):
-            enc_time[0] += time.perf_counter() - starts.pop(id(mod))
+            def post(_mod, _inp, _out):
+                enc_time[name] += time.perf_counter() - starts.pop(name)
 
-        for enc in (model.vision, model.audio):
+            return pre, post
+
+        for name, enc in (("vision", model.vision), ("audio", model.audio)):
+            pre, post = hooks(name)
             enc.register_forward_pre_hook(pre)
             enc.register_forward_hook(post)
         records: list[dict[str, Any]] = []
         steps: list[dict[str, Any]] = []
 
         def forward(m, mb, buffer):
-            enc_time[0] = 0.0
+            enc_time["vision"] = enc_time["audio"] = 0.0
             t0 = time.perf_counter()
             out = m(mb, buffer)
             total = time.perf_counter() - t0
+            enc = enc_time["vision"] + enc_time["audio"]
             records.append(
                 {
                     "iteration": mb.iteration,
@@ -164,8 +171,10 @@ def _rank_main(rank: int, port: int, endpoint: str, out_path: str, seed: int, lr
                     "replica": mb.replica,
                     "encoder_keys": list(mb.encoder_keys),
                     "llm_keys": list(mb.llm_keys),
-                    "encoder_fwd": enc_time[0],
-                    "llm_fwd": total - enc_time[0],
+                    "encoder_fwd": enc,
+                    "vision_fwd": enc_time["vision"],
+                    "audio_fwd": enc_time["audio"],
+                    "llm_fwd": total - enc,
                     "tokens": mb.num_tokens,
                 }
             )
@@ -238,6 +247,27 @@ def _train(method: str, plan: ParallelPlan, index: Path, out: Path, args) -> lis
 
 
 # ------------------------------------------------------------------ figures
+def _calibrate(table, spec: ModelSpec, runs: list[dict], key_row: dict[str, int]):
+    """Least-squares fit of every module's forward time to this run's per-microbatch timings."""
+    mbs = [m for r in runs for m in r["microbatches"]]
+    cal = None
+    fits = {}
+    for module, field, keys in (
+        (spec.encoders[0].name, "vision_fwd", "encoder_keys"),
+        (spec.encoders[1].name, "audio_fwd", "encoder_keys"),
+        ("llm", "llm_fwd", "llm_keys"),
+    ):
+        used = [m for m in mbs if m[keys] and m[field] > 0]
+        if len(used) < 4:
+            continue
+        groups = [np.array([key_row[k] for k in m[keys]]) for m in used]
+        cal = calibrate(table, spec, module, groups, [m[field] for m in used], previous=cal)
+        fits[module] = cal.get(module)
+    if cal is None:
+        raise WorkerDied("demo: the sequential run recorded too few microbatches to calibrate")
+    return cal, fits
+
+
 def _cv(x: np.ndarray) -> float:
     x = np.asarray(x, dtype=np.float64)
     return float(x.std() / x.mean()) if len(x) and x.mean() > 0 else 0.0
@@ -273,7 +303,7 @@ def _summarise(method: str, runs: list[dict], costs, key_row: dict[str, int]) ->
             fwd[reps.index(m["replica"]), m["microbatch"], 0] = modelled(
                 m["encoder_keys"], enc_model
             ) + modelled(m["llm_keys"], llm_model)
-        sims.append(simulate_pipeline(fwd / 3.0, fwd * 2.0 / 3.0).iteration_time)
+        sims.append(simulate_pipeline(fwd / 3.0, fwd * 2.0 / 3.0).iteration_time)  # bwd = 2 fwd
     steps = np.array(sorted(by_step.values()))
     return {
         "method": method,
@@ -307,7 +337,7 @@ def _table(rows: list[dict]) -> str:
         lines.append(
             f"{r['method']:<11} {r['encoder_cv_measured']:>11.3f} {r['llm_cv_measured']:>11.3f} "
             f"{r['encoder_cv_model']:>12.3f} {r['llm_cv_model']:>12.3f} "
-            f"{r['step_seconds_measured']:>11.3f} {r['step_seconds_simulated'] * 1e3:>9.3f}m"
+            f"{r['step_seconds_measured']:>11.3f} {r['step_seconds_simulated']:>10.3f}"
         )
     seq, ent = rows
     lines.append(
@@ -385,17 +415,35 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         microbatches=args.microbatches,
         seed=args.seed,
     )
-    plan.save(out / "plan.json")
     stages.update()
-    rows = []
-    costs = per_sample_costs(table, spec)
     key_row = {str(k): i for i, k in enumerate(table.keys)}
-    for method in METHODS:
-        stages.set_postfix_str(f"train {method}")
-        runs = _train(method, plan, index, out, args)
-        rows.append(_summarise(method, runs, costs, key_row))
-        stages.update()
+    stages.set_postfix_str("train sequential")
+    seq_runs = _train("sequential", plan, index, out, args)
+    stages.update()
+    # calibrate the cost model to this machine from the sequential run, plan again with it
+    cal, fits = _calibrate(table, spec, seq_runs, key_row)
+    plan = make_plan(
+        table,
+        spec,
+        Cluster(RANKS, gpus_per_node=RANKS, gpu_memory_gb=16.0),
+        args.global_batch,
+        dp=RANKS,
+        tp=1,
+        pp=1,
+        microbatches=args.microbatches,
+        seed=args.seed,
+        calibration=cal.to_dict(),
+    )
+    plan.save(out / "plan.json")
+    stages.set_postfix_str("train entrain")
+    ent_runs = _train("entrain", plan, index, out, args)
+    stages.update()
     stages.close()
+    costs = per_sample_costs(table, spec, calibration=cal)
+    rows = [
+        _summarise("sequential", seq_runs, costs, key_row),
+        _summarise("entrain", ent_runs, costs, key_row),
+    ]
     print()
     print(f"data: {len(table)} samples in {len(shards)} shards under {data}")
     print(prof.format_table())
@@ -406,6 +454,13 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
         f"deferral budget {plan.defer_budget}"
     )
     print(f"trained {rows[0]['steps']} steps per method on {RANKS} DDP ranks (gloo, CPU)")
+    print(
+        "cost model calibrated to the sequential run's forward times: "
+        + ", ".join(
+            f"{m} rel. RMS {f.rel_rms:.2f} (R^2 {f.r2:.2f}, {f.n} microbatches)"
+            for m, f in fits.items()
+        )
+    )
     print()
     print(_table(rows))
     png = _plot(rows, out / "microbatch_loads.png")
@@ -437,9 +492,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="where data, index, plans, results and the plot go (default: ./entrain-demo)",
     )
-    p.add_argument("--samples", type=int, default=384, help="samples to generate (default 384)")
+    p.add_argument("--samples", type=int, default=512, help="samples to generate (default 512)")
     p.add_argument(
-        "--global-batch", type=int, default=32, help="samples per global batch (default 32)"
+        "--global-batch", type=int, default=64, help="samples per global batch (default 64)"
     )
     p.add_argument(
         "--microbatches",

@@ -47,7 +47,7 @@ class IndexCosts:
 
         table = read_index(self.index_path)
         plan = ParallelPlan.from_json(self.plan_json)
-        costs = per_sample_costs(table, plan.model_spec())
+        costs = per_sample_costs(table, plan.model_spec(), calibration=plan.calibration)
         return costs.encoder_cost(), costs.llm_cost(), np.asarray(costs.llm_tokens)
 
 
