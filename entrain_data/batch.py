@@ -31,9 +31,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported by whoever builds tensors: importing the package stays cheap
+    import torch
 
 __all__ = ["Microbatch"]
 

@@ -94,13 +94,13 @@ def run_worker(
     sock.setsockopt(zmq.LINGER, 1000)
     sock.setsockopt(zmq.SNDTIMEO, 1000)
     sock.connect(endpoint)
-    parent = os.getppid()
+    parent = _parent_gone_check()
     try:
         packer = factory()
         sock.send_multipart(protocol.encode("ready", {"worker": index, "pid": os.getpid()}))
         while True:
             if not sock.poll(_POLL_MS):
-                if os.getppid() != parent:  # coordinator gone: do not linger as an orphan
+                if parent():  # coordinator gone: do not linger as an orphan
                     log.warning("worker %d: coordinator gone, exiting", index)
                     return
                 continue
@@ -123,14 +123,24 @@ def run_worker(
         ctx.term()
 
 
-def _send(sock: zmq.Socket, frames: list[Any], parent: int) -> bool:
+def _parent_gone_check() -> Callable[[], bool]:
+    """A check that the coordinator process has gone. Uses the spawn sentinel pipe, so it also
+    holds when the coordinator died before this process started (its ppid is then already 1)."""
+    proc = mp.parent_process()
+    if proc is not None:
+        return lambda: not proc.is_alive()
+    first = os.getppid()
+    return lambda: os.getppid() != first or first == 1
+
+
+def _send(sock: zmq.Socket, frames: list[Any], parent: Callable[[], bool]) -> bool:
     """Send, waiting at most a second at a time: a DEALER with no peer blocks forever otherwise."""
     while True:
         try:
             sock.send_multipart(frames, copy=False)
             return True
         except zmq.Again:
-            if os.getppid() != parent:
+            if parent():
                 return False
 
 
