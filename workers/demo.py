@@ -376,6 +376,23 @@ def _plot(rows: list[dict], path: Path) -> Path | None:
 
 
 # -------------------------------------------------------------------- main
+def _demo_plan(table, spec: ModelSpec, args, calibration: dict | None = None) -> ParallelPlan:
+    """The static plan of the demo: 2 data-parallel CPU ranks, one stage each."""
+    cluster = Cluster(RANKS, gpus_per_node=RANKS, gpu_memory_gb=16.0)
+    return make_plan(
+        table,
+        spec,
+        cluster,
+        args.global_batch,
+        dp=RANKS,
+        tp=1,
+        pp=1,
+        microbatches=args.microbatches,
+        seed=args.seed,
+        calibration=calibration,
+    )
+
+
 def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     """Run the demo (see the module docstring); returns the summary that it also writes."""
     from entrain_data.workers.demo_data import write_demo_dataset
@@ -404,17 +421,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     stages.set_postfix_str("profile + plan")
     spec = demo_model_spec()
     prof = macro_profile(table, spec, args.global_batch, batches=16, seed=args.seed)
-    plan = make_plan(
-        table,
-        spec,
-        Cluster(RANKS, gpus_per_node=RANKS, gpu_memory_gb=16.0),
-        args.global_batch,
-        dp=RANKS,
-        tp=1,
-        pp=1,
-        microbatches=args.microbatches,
-        seed=args.seed,
-    )
+    plan = _demo_plan(table, spec, args)
     stages.update()
     key_row = {str(k): i for i, k in enumerate(table.keys)}
     stages.set_postfix_str("train sequential")
@@ -422,18 +429,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     stages.update()
     # calibrate the cost model to this machine from the sequential run, plan again with it
     cal, fits = _calibrate(table, spec, seq_runs, key_row)
-    plan = make_plan(
-        table,
-        spec,
-        Cluster(RANKS, gpus_per_node=RANKS, gpu_memory_gb=16.0),
-        args.global_batch,
-        dp=RANKS,
-        tp=1,
-        pp=1,
-        microbatches=args.microbatches,
-        seed=args.seed,
-        calibration=cal.to_dict(),
-    )
+    plan = _demo_plan(table, spec, args, calibration=cal.to_dict())
     plan.save(out / "plan.json")
     stages.set_postfix_str("train entrain")
     ent_runs = _train("entrain", plan, index, out, args)
