@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from entrain_data.cost_model import calibrate, per_sample_costs
-from entrain_data.errors import WorkerDied
+from entrain_data.errors import EntrainError, WorkerDied
 from entrain_data.metadata import read_index, write_index
 from entrain_data.plan import Cluster, ParallelPlan
 from entrain_data.planner import make_plan
@@ -264,7 +264,7 @@ def _calibrate(table, spec: ModelSpec, runs: list[dict], key_row: dict[str, int]
         cal = calibrate(table, spec, module, groups, [m[field] for m in used], previous=cal)
         fits[module] = cal.get(module)
     if cal is None:
-        raise WorkerDied("demo: the sequential run recorded too few microbatches to calibrate")
+        raise EntrainError("demo: the sequential run recorded too few microbatches to calibrate")
     return cal, fits
 
 

@@ -575,16 +575,6 @@ def _llm_sets_lpt(eidx, has_enc, valid, llm, tok, m, cap, budget):
     return lidx, failed
 
 
-def _peak_llm(lidx, valid, llm, m):
-    """[R] the largest microbatch LLM load of every row (sum of squares breaks ties)."""
-    r_count = llm.shape[0]
-    loads = np.zeros((r_count, m))
-    ok = valid & (lidx >= 0)
-    rr = np.broadcast_to(np.arange(r_count)[:, None], llm.shape)[ok]
-    np.add.at(loads, (rr, lidx[ok]), llm[ok])
-    return loads.max(axis=1) + 1e-9 * (loads**2).sum(axis=1) / np.maximum(loads.max(axis=1), 1e-30)
-
-
 def _grouped(members: np.ndarray, slot: np.ndarray, count: int) -> list[np.ndarray]:
     """Members grouped by slot (0..count-1), ascending sample order inside a group."""
     order = np.lexsort((members, slot))
