@@ -1,17 +1,30 @@
 """Megatron-Core: settings from the plan, packed-sequence data iterator, per-token loss
 (built against megatron-core 0.16.1).
 
-What a user adds to a Megatron-Core script::
+What a user adds to a Megatron-Core script (see ``examples/train_megatron.py``)::
 
     initialize_from_plan(plan)                         # TP/PP groups, microbatch calculator
     config = TransformerConfig(..., **transformer_settings(plan))
     config.finalize_model_grads_func = finalize_per_token_grads   # plain (non-Megatron-DDP) models
     fwd_bwd = get_forward_backward_func()
     for mbs in group_iterations(loader):
-        fwd_bwd(forward_step_func=make_forward_step(step_fn), data_iterator=data_iterator(mbs),
+        fwd_bwd(forward_step_func=make_forward_step(step_fn, loss_sum=masked_loss_sum),
+                data_iterator=data_iterator(mbs, attention="mask"),
                 model=[model], num_microbatches=len(mbs), seq_length=max_tokens(mbs),
                 micro_batch_size=1)
         optimizer.step()
+
+Attention over a packed microbatch: ``attention="thd"`` hands the model
+``PackedSeqParams`` (THD), which only Transformer Engine's attention accepts
+(Megatron-Core's local ``DotProductAttention`` asserts ``packed_seq_params is
+None``). ``attention="mask"`` hands it a block-diagonal causal
+``attention_mask`` instead (one causal block per sample, ``True`` = masked, the
+local spec's convention), with ``position_ids`` restarting at every sample:
+the same attention as one sequence per sample, at O(T^2) memory per
+microbatch, for the local spec, CPU runs and tests. Positions reach the model
+only through ``position_ids``, so use ``learned_absolute`` position embeddings
+with ``"mask"``: Megatron's RoPE indexes the packed row 0..T-1 unless it is
+given THD ``packed_seq_params``.
 
 Loss: with ``calculate_per_token_loss=True`` Megatron neither divides a
 microbatch's loss by its tokens nor by ``num_microbatches``; the loss function
@@ -21,7 +34,10 @@ and hands it to ``finalize_model_grads_func``. Megatron's own
 :func:`finalize_per_token_grads` does the same for a model without Megatron's
 DDP wrapper (sum over DP, divide by the token count summed over the pipeline
 and DP). ``variable_seq_lengths=True`` makes the pipeline schedules exchange
-shapes for every microbatch, which balanced microbatches need.
+shapes for every microbatch, which balanced microbatches need. With tied
+input/output embeddings and pipelining, the two copies of the embedding (first
+and last stage) get their gradients summed over Megatron's embedding group,
+as Megatron's own ``finalize_model_grads`` does.
 """
 
 from __future__ import annotations
@@ -43,7 +59,9 @@ __all__ = [
     "transformer_settings",
     "initialize_from_plan",
     "packed_seq_params",
+    "block_causal_mask",
     "data_iterator",
+    "masked_loss_sum",
     "make_forward_step",
     "finalize_per_token_grads",
     "max_tokens",
@@ -53,6 +71,8 @@ log = logging.getLogger(__name__)
 
 MEGATRON_CORE_VERSION = "0.16.1"
 """The megatron-core version these helpers were built and tested against."""
+
+ATTENTION_MODES = ("thd", "mask")
 
 
 def _llm_layers(plan: Any) -> list[int]:
@@ -146,17 +166,51 @@ def max_tokens(microbatches: Sequence[Microbatch]) -> int:
     return max(mb.num_tokens for mb in microbatches)
 
 
-def data_iterator(microbatches: Sequence[Microbatch]) -> Iterator[dict[str, Any]]:
-    """One item per microbatch: the ``Microbatch``, its batch-first tensors and PackedSeqParams."""
+def block_causal_mask(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """``[1, 1, T, T]`` boolean mask, ``True`` where attention is *not* allowed (Megatron's
+    convention): each token sees only earlier tokens of its own sample, so a packed row attends
+    like one sequence per sample without ``PackedSeqParams``."""
+    lengths = torch.diff(cu_seqlens.long())
+    owner = torch.repeat_interleave(torch.arange(len(lengths), device=cu_seqlens.device), lengths)
+    allowed = (owner[:, None] == owner[None, :]).tril()
+    return (~allowed)[None, None]
+
+
+def data_iterator(
+    microbatches: Sequence[Microbatch], attention: str = "thd"
+) -> Iterator[dict[str, Any]]:
+    """One item per microbatch: the ``Microbatch`` and its batch-first ``[1, T]`` tensors.
+
+    ``labels`` hold 0 where ``loss_mask`` is 0 (Megatron's cross entropy has no
+    ignore index; the mask carries it). ``attention="thd"`` adds
+    ``packed_seq_params`` (Transformer Engine attention); ``"mask"`` adds
+    ``attention_mask`` from :func:`block_causal_mask` (local spec, CPU). Every
+    pipeline stage of a replica iterates the same microbatches.
+    """
+    if attention not in ATTENTION_MODES:
+        raise InvalidInput(
+            f"data_iterator: attention {attention!r}: choose one of {', '.join(ATTENTION_MODES)}"
+        )
     for mb in microbatches:
-        yield {
+        valid = mb["labels"] != -100
+        item = {
             "microbatch": mb,
             "tokens": mb["input_ids"][None],
-            "labels": mb["labels"][None],
+            "labels": torch.where(valid, mb["labels"], 0)[None],
             "position_ids": mb["position_ids"][None],
-            "loss_mask": (mb["labels"] != -100)[None],
-            "packed_seq_params": packed_seq_params(mb),
+            "loss_mask": valid.float()[None],
         }
+        if attention == "thd":
+            item["packed_seq_params"] = packed_seq_params(mb)
+        else:
+            item["attention_mask"] = block_causal_mask(mb["cu_seqlens"])
+        yield item
+
+
+def masked_loss_sum(per_token_loss: torch.Tensor, item: dict[str, Any]) -> torch.Tensor:
+    """``loss_sum`` for :func:`make_forward_step` when the model returns per-token losses
+    (``GPTModel`` given ``labels``): the sum over the item's loss tokens."""
+    return (per_token_loss.float() * item["loss_mask"]).sum()
 
 
 def make_forward_step(
@@ -194,20 +248,50 @@ def make_forward_step(
     return forward_step
 
 
+def _tied_embedding_weight(chunk: nn.Module) -> nn.Parameter | None:
+    """The word-embedding copy this stage holds when input and output embeddings are tied."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    inner = get_attr_wrapped_model(chunk, "pre_process", return_model_obj=True)
+    if not getattr(inner, "share_embeddings_and_output_weights", False):
+        return None
+    return inner.shared_embedding_or_output_weight()
+
+
+def _allreduce_tied_embedding_grads(model: Sequence[nn.Module]) -> None:
+    """Sum the tied embedding's gradient over its copies on the first and last stages, so both
+    copies take the same step (Megatron's ``finalize_model_grads`` does this for its DDP)."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_embedding_group(check_initialized=False)
+    if group is None or dist.get_world_size(group) <= 1:
+        return
+    if dist.get_rank() not in dist.get_process_group_ranks(group):
+        return
+    first = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+    weight = _tied_embedding_weight(model[0] if first else model[-1])
+    if weight is None or weight.grad is None:
+        return  # untied, or frozen embeddings (then on every stage of the group)
+    dist.all_reduce(weight.grad, group=group)
+
+
 def finalize_per_token_grads(
     model: Sequence[nn.Module], num_tokens: torch.Tensor | None, pg_collection: Any = None, **_: Any
 ) -> None:
-    """``finalize_model_grads_func`` for models without Megatron's DDP: sum gradients over
-    data-parallel ranks and divide by the global loss count (summed over pipeline and DP)."""
+    """``finalize_model_grads_func`` for models without Megatron's DDP: sum tied embedding
+    gradients over the first and last stages, sum gradients over data-parallel ranks and divide
+    by the global loss count (summed over pipeline and DP)."""
     from megatron.core import parallel_state
 
     if num_tokens is None:
         raise InvalidInput("finalize_per_token_grads needs calculate_per_token_loss=True")
-    total = num_tokens.detach().to(torch.int64).cpu().clone()
+    # stays on the counter's device: NCCL reduces only CUDA tensors
+    total = num_tokens.detach().to(torch.int64).clone()
     pp = parallel_state.get_pipeline_model_parallel_group()
     dpg = parallel_state.get_data_parallel_group()
     if dist.get_world_size(pp) > 1:
         dist.all_reduce(total, group=pp)  # only the last stage counted tokens
+        _allreduce_tied_embedding_grads(model)
     if dist.get_world_size(dpg) > 1:
         dist.all_reduce(total, group=dpg)
     if int(total) <= 0:

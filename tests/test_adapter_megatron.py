@@ -1,15 +1,14 @@
 """Megatron-Core adapter against the real megatron-core 0.16.1 schedules (CPU, gloo, 2 ranks).
 
-Megatron's schedules allocate their token counter on CUDA; the TEST-ONLY shim
-``_megatron_cpu_shim`` redirects that device argument to the CPU inside
-``megatron.core.pipeline_parallel.schedules`` for the duration of a test rank.
-Nothing in the adapter depends on it.
+Megatron's schedules allocate their token counter on CUDA; the TEST-ONLY
+:mod:`_megatron_shim` (shared with the GPTModel pipeline test) points that and
+Megatron's other CUDA-only calls at the CPU inside each test rank. Nothing in
+the adapter depends on it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import types
 from pathlib import Path
 
 import pytest
@@ -48,21 +47,6 @@ def _plan(dp: int, pp: int, layers: list[tuple[int, int]] | None = None) -> Para
     )  # fmt: skip
 
 
-def _megatron_cpu_shim() -> None:
-    """TEST-ONLY: Megatron's schedules create ``torch.zeros(..., device="cuda")``; on a CPU box
-    redirect that one device argument to the CPU (module-local proxy, nothing else patched)."""
-    from megatron.core.pipeline_parallel import schedules
-
-    def zeros(*args, device=None, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
-        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kw)
-
-    proxy = types.SimpleNamespace(
-        **{k: getattr(torch, k) for k in dir(torch) if not k.startswith("__")}
-    )
-    proxy.zeros = zeros
-    schedules.torch = proxy
-
-
 class _MegatronWrapped(nn.Module):
     """The reference MLLM with the two attributes Megatron's schedules read."""
 
@@ -79,6 +63,7 @@ class _MegatronWrapped(nn.Module):
 
 
 def _mcore_rank(rank: int, world: int, out: str) -> None:
+    from _megatron_shim import install_cpu_shim
     from entrain_data.adapters.common import EncoderOutputBuffer
     from entrain_data.adapters.megatron import (
         data_iterator,
@@ -92,7 +77,7 @@ def _mcore_rank(rank: int, world: int, out: str) -> None:
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    _megatron_cpu_shim()
+    install_cpu_shim()
     plan = _plan(dp=world, pp=1)
     initialize_from_plan(plan)
     try:

@@ -1,0 +1,64 @@
+"""TEST-ONLY: run megatron-core 0.16.1's schedules, p2p exchange and GPTModel on a CPU-only box.
+
+Megatron-Core assumes CUDA in a handful of places that have nothing to do with
+what the adapter tests check (device placement, stream syncs, CUDA RNG forks):
+
+- ``schedules``: ``torch.zeros(..., device="cuda")`` for the token counter;
+- ``p2p_communication`` and ``megatron.core.utils`` (the attention score
+  buffer): ``torch.cuda.current_device()`` and ``torch.cuda.synchronize()``;
+- ``LanguageModule.setup_embeddings_and_output_layer``: ``weight.data.cuda()``
+  before the first/last-stage all-reduce of tied embeddings;
+- the CUDA RNG tracker's ``fork()`` around dropout (the tests use dropout 0).
+
+:func:`install_cpu_shim` redirects exactly these to the CPU inside the calling
+process (a spawned test rank). It changes no numerics, and does nothing on a
+machine with CUDA. Nothing in ``entrain_data`` or ``examples/`` imports it.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+
+__all__ = ["install_cpu_shim"]
+
+
+class _ModuleProxy(types.ModuleType):
+    """A stand-in for a module (``torch``, ``torch.cuda``) seen by one Megatron module only:
+    the given attributes are replaced, everything else is the real module's."""
+
+    def __init__(self, real: types.ModuleType, **overrides: Any):
+        super().__init__(real.__name__)
+        self._real = real
+        self.__dict__.update(overrides)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+def _cpu_zeros(*args: Any, device: Any = None, **kw: Any) -> torch.Tensor:
+    return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kw)
+
+
+def _cpu_torch() -> _ModuleProxy:
+    cuda = _ModuleProxy(torch.cuda, current_device=lambda: "cpu", synchronize=lambda *a: None)
+    return _ModuleProxy(torch, zeros=_cpu_zeros, cuda=cuda)
+
+
+def install_cpu_shim() -> None:
+    """Point Megatron-Core's CUDA-only calls at the CPU in this process (no-op with CUDA)."""
+    if torch.cuda.is_available():
+        return
+    import megatron.core.utils as mcore_utils
+    from megatron.core.pipeline_parallel import p2p_communication, schedules
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    proxy = _cpu_torch()
+    for module in (schedules, p2p_communication, mcore_utils):
+        module.torch = proxy
+    # tied embeddings: the last stage's copy goes "to the GPU" before the first/last all-reduce
+    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+    # no CUDA RNG to fork: Megatron's own no-op tracker (dropout is 0 in the tests)
+    mcore_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
