@@ -20,6 +20,24 @@ and averages gradients over data-parallel ranks; the adapter multiplies each
 microbatch's ``loss_sum`` by ``dp * gas / global_count`` (see :mod:`.common`), so
 the step is the global batch's per-token (or per-sample) mean.
 
+ZeRO reduction order: DeepSpeed 0.19.8's ZeRO-2 reduces every microbatch from
+per-parameter gradient hooks (``runtime/zero/stage_1_and_2.py:1379``, ``:2284``):
+each gradient is copied into a flat bucket at the next free offset (``:1455``)
+and its parameter appended to the bucket's list (``:1473``) in the order the
+hooks fire; ``reduce_ipg_grads`` (``:2229``) then ``average_tensor`` reduces that
+bucket slice by slice from the local list (``:1635``-``:1692``), so element i of
+one rank's bucket is added to element i of the other's. That holds only if all
+ranks run the same autograd graph. Balanced microbatches do not: another mix of
+modalities, encoder outputs deferred from an earlier microbatch, and the hooks
+fire in another order; one parameter's gradient was summed with another's
+(ZeRO-2, 3 microbatches: gradients off by ~1e-2, parameters by ~2e-3 after 3
+steps). ZeRO-1 with ``overlap_comm`` reduces from the same hooks (``:2290``).
+:func:`train_step` therefore runs the microbatches of an iteration inside
+``engine.coalesce_grad_reduction()`` (``runtime/engine.py:3239``): gradients
+accumulate locally and one flush reduces them in parameter order on every rank
+(``runtime/engine.py:3300``). Cost: until the step a rank holds its whole local
+gradient, as ZeRO-1 does, instead of ZeRO-2's partition plus bucket.
+
 Pipelines: balanced microbatches change shape from one microbatch to the next.
 ``PipelineModule(dynamic_shape=False)`` exchanges activation shapes once; a
 larger later microbatch then crashes in gloo and a smaller one silently reads
@@ -28,6 +46,7 @@ a stale buffer, so :func:`check_pipeline_engine` refuses it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -170,6 +189,32 @@ def _dp_group(engine: Any) -> Any:
     )
 
 
+def _zero_fill_missing_grads(optimizer: Any) -> None:
+    """Give every trainable parameter a gradient before the coalesced flush.
+
+    DeepSpeed's flush skips a parameter whose gradient is None
+    (``runtime/engine.py:3322``) and packs the others into one flat bucket
+    that is reduced position by position; a parameter that got no gradient in
+    the whole step on one rank only (an encoder no microbatch of that replica
+    used, without a dummy touch) would shift every later gradient on that rank.
+    A zero gradient contributes nothing and keeps the layout the same on every
+    rank (what DeepSpeed does itself for ZeRO-0, ``runtime/engine.py:3857``).
+    """
+    get = getattr(optimizer, "get_gradient_for_reduction", None)
+    groups = getattr(optimizer, "bit16_groups", None)
+    if get is None or groups is None:  # ZeRO-3 (fp16_groups, partitioned grads): not handled
+        return
+    in_accum = bool(getattr(optimizer, "use_grad_accum_attribute", False))
+    dtype = getattr(optimizer, "gradient_accumulation_dtype", None)
+    for group in groups:
+        for p in group:
+            if p.requires_grad and p.numel() and get(p) is None:
+                if in_accum:
+                    p.grad_accum = torch.zeros_like(p, dtype=dtype or p.dtype)
+                else:
+                    p.grad = torch.zeros_like(p)
+
+
 def train_step(
     engine: Any,
     microbatches: Sequence[Microbatch],
@@ -178,14 +223,28 @@ def train_step(
     mode: str = "token",
     buffer: EncoderOutputBuffer | None = None,
 ) -> float:
-    """One iteration on a plain DeepSpeed engine (ZeRO 0-3): forward, backward, step per
-    microbatch; returns the global-batch mean loss. ``forward(engine, mb, buffer)`` defaults
-    to ``engine(mb, buffer, mode=mode)``."""
+    """One iteration on a plain DeepSpeed engine (ZeRO 0-3); returns the global-batch mean loss.
+
+    ``forward(engine, mb, buffer)`` defaults to ``engine(mb, buffer, mode=mode)``.
+
+    ZeRO 1-3: all microbatches inside ``engine.coalesce_grad_reduction()``, then
+    one ``step()``, so gradients are reduced once, in parameter order, whatever
+    order each rank's hooks fire in (see the module notes: per-microbatch ZeRO-2
+    reduction follows hook order, which balanced microbatches make differ
+    between ranks). ZeRO-0 reduces once per step in parameter order already.
+    """
     gas = engine.gradient_accumulation_steps()
     if len(microbatches) != gas:
         raise InvalidInput(
             f"deepspeed train_step: {len(microbatches)} microbatches but the engine's "
             f"gradient_accumulation_steps is {gas}; build the config with deepspeed_config(plan)"
+        )
+    coalesce = engine.zero_optimization_stage() >= 1
+    if coalesce and not hasattr(engine, "coalesce_grad_reduction"):
+        raise InvalidInput(
+            "deepspeed train_step: ZeRO stage >= 1 needs engine.coalesce_grad_reduction() "
+            "(DeepSpeed 0.19.8 has it): per-microbatch ZeRO reduction follows each rank's "
+            "hook order, which balanced microbatches make differ between ranks"
         )
     buffer = buffer if buffer is not None else EncoderOutputBuffer()
     group = _dp_group(engine)
@@ -193,16 +252,30 @@ def train_step(
     count = global_loss_count(microbatches, mode, group, engine.device)
     scale = loss_scale(count, dp=dp, accumulation=gas)
     total = torch.zeros((), dtype=torch.float64)
-    for mb in microbatches:
-        mb = mb.to(engine.device)
-        if forward is None:
-            loss_sum, _ = engine(mb, buffer, mode=mode)
-        else:
-            loss_sum, _ = forward(engine, mb, buffer)
-        engine.backward(loss_sum * scale)
-        engine.step()
-        total += loss_sum.detach().double().cpu()
+    with engine.coalesce_grad_reduction() if coalesce else contextlib.nullcontext():
+        for mb in microbatches:
+            mb = mb.to(engine.device)
+            if forward is None:
+                loss_sum, _ = engine(mb, buffer, mode=mode)
+            else:
+                loss_sum, _ = forward(engine, mb, buffer)
+            engine.backward(loss_sum * scale)  # DeepSpeed divides by gas: scale has it
+            if not coalesce:
+                engine.step()  # ZeRO-0: reduces and updates at the boundary microbatch
+            total += loss_sum.detach().double().cpu()
+        if coalesce:
+            _zero_fill_missing_grads(engine.optimizer)
     buffer.check_drained(microbatches[0].iteration)
+    if coalesce:
+        # The flush restores the boundary flag it found on entry (runtime/engine.py:3298) and
+        # the engine's own boundary is every gas-th step() call (:3463); here one step()
+        # ends the iteration, so mark it, then put the flag back.
+        before = getattr(engine, "_is_gradient_accumulation_boundary", None)
+        engine.set_gradient_accumulation_boundary(True)
+        try:
+            engine.step()
+        finally:
+            engine.set_gradient_accumulation_boundary(before)
     if dp > 1:
         torch.distributed.all_reduce(total, group=group)
     return float(total) / count

@@ -3,6 +3,11 @@
 One spawn trains ZeRO-1 and ZeRO-2 engines (dp=2) and a 2-stage PipelineModule
 (pp=2) on Entrain-balanced microbatches with deferral, and builds a
 ``dynamic_shape=False`` pipeline to check the refusal; the tests read its results.
+
+Balanced microbatches give the two ranks different autograd graphs (other
+modalities, deferred encoder outputs), so their ZeRO-2 gradient hooks fire in
+different orders; the ZeRO runs check that ``train_step`` does not let DeepSpeed
+sum one rank's gradient of a parameter with the other rank's gradient of another.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from _dist import (
     replica_microbatches,
     run_ranks,
 )
+from entrain_data.adapters.reference_model import SyntheticSample, synthetic_samples
 
 from entrain_data.errors import InvalidInput, PlanError
 from entrain_data.plan import ParallelPlan, StagePlan, StageSegment
@@ -46,24 +52,49 @@ def _plan(dp: int, pp: int) -> ParallelPlan:
     )  # fmt: skip
 
 
-def _zero(rank: int, world: int, stage: int, microbatches: int = MICROBATCHES) -> dict:
+def _audio_once_batches(steps: int = STEPS) -> list[list[SyntheticSample]]:
+    """Global batches where one sample has audio: one replica's whole step leaves the audio
+    encoder without a gradient (with no dummy touch), the other's does not."""
+    out = []
+    for i in range(steps):
+        pool = synthetic_samples(24, seed=100 + i, prefix=f"a{i}-")
+        plain = [s for j, s in enumerate(pool) if j % 4 in (0, 3)]  # images or text only
+        audio = next(s for j, s in enumerate(pool) if j % 4 == 2)  # audio only
+        out.append(plain[:15] + [audio])
+    return out
+
+
+def _zero(
+    rank: int,
+    world: int,
+    stage: int,
+    microbatches: int = MICROBATCHES,
+    batches: list[list[SyntheticSample]] | None = None,
+    touch: bool = True,
+) -> tuple[dict, list[str]]:
+    """Final parameters, and the order in which this rank's parameter gradients arrived."""
     import deepspeed
     from entrain_data.adapters.common import EncoderOutputBuffer
     from entrain_data.adapters.deepspeed import deepspeed_config, train_step
 
     model = make_model()
+    if not touch:  # unused encoders get no gradient at all (their dummy touch is exactly 0)
+        model.dummy_touch = lambda: 0.0
     plan = dataclasses.replace(_plan(dp=world, pp=1), microbatches=microbatches)
     config = deepspeed_config(
         plan, {"zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}
     )
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    order: list[str] = []
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _, name=name: order.append(name))
     buffer = EncoderOutputBuffer(4096)
-    for it, batch in enumerate(global_batches(STEPS)):
+    for it, batch in enumerate(batches or global_batches(STEPS)):
         mbs = replica_microbatches(batch, it, world, microbatches)[rank]
         assert train_step(engine, mbs, buffer=buffer) > 0
     assert buffer.peak_tokens > 0 or microbatches == 1, "no deferral"
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, order
 
 
 def _pipe(rank: int, world: int, dynamic: bool) -> dict:
@@ -104,10 +135,13 @@ def _ds_rank(rank: int, world: int, out: str) -> None:
 
     avoid_cpu_op_builds()
     deepspeed.init_distributed(dist_backend="gloo")
+    zero2, zero2_order = _zero(rank, world, 2)
     results = {
-        "zero1": _zero(rank, world, 1),
-        "zero2": _zero(rank, world, 2),
-        "zero2-gas1": _zero(rank, world, 2, microbatches=1),
+        "zero1": _zero(rank, world, 1)[0],
+        "zero2": zero2,
+        "zero2-order": zero2_order,
+        "zero2-gas1": _zero(rank, world, 2, microbatches=1)[0],
+        "zero2-unused": _zero(rank, world, 2, batches=_audio_once_batches(), touch=False)[0],
         "pipe": _pipe(rank, world, dynamic=True),
         "static": _pipe(rank, world, dynamic=False),
     }
@@ -132,14 +166,34 @@ def test_zero_balanced_equals_unbalanced(ds_results: list[dict], run: str) -> No
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(
-    strict=True,
-    reason="DeepSpeed 0.19.8 ZeRO-2 on CPU with gradient_accumulation_steps > 1 ends a step "
-    "with parameters that differ (~5e-4) from ZeRO-0/1 on the same inputs, also when every "
-    "sample is encoded where it is consumed; with one accumulation step it matches",
-)
 def test_zero2_accumulation_balanced_equals_unbalanced(ds_results: list[dict]) -> None:
-    assert_params_close(ds_results[0]["zero2"], reference_params(global_batches(STEPS)))
+    """ZeRO-2, 3 microbatches per replica. The ranks' gradients arrive in different orders
+    (checked), which DeepSpeed's per-microbatch ZeRO-2 bucket reduction cannot take."""
+    orders = [ds_results[rank]["zero2-order"] for rank in range(2)]
+    assert sorted(orders[0]) == sorted(orders[1]) and orders[0] != orders[1], (
+        "both ranks' gradients arrived in one order: the test would not show the hazard"
+    )
+    want = reference_params(global_batches(STEPS))
+    for rank in range(2):
+        assert_params_close(ds_results[rank]["zero2"], want)
+
+
+@pytest.mark.timeout(300)
+def test_zero2_parameter_without_gradient_on_one_rank(ds_results: list[dict]) -> None:
+    """No dummy touch and audio in one replica only: that step, the other rank's audio
+    encoder has no gradient at all; the reduction must still line up."""
+    batches = _audio_once_batches()
+    one_sided = 0
+    for it, batch in enumerate(batches):
+        has_audio = [
+            any("audio_features" in mb for mb in mbs)
+            for mbs in replica_microbatches(batch, it, 2, MICROBATCHES)
+        ]
+        one_sided += has_audio.count(True) == 1
+    assert one_sided, "no step leaves one replica without audio: the test would prove nothing"
+    want = reference_params(batches)
+    for rank in range(2):
+        assert_params_close(ds_results[rank]["zero2-unused"], want)
 
 
 @pytest.mark.timeout(300)
