@@ -145,6 +145,22 @@ class EncoderOutputBuffer:
         self._items: dict[str, tuple[torch.Tensor, int]] = {}
         self._tokens = 0
         self.peak_tokens = 0
+        self._consumer: dict[tuple[int, str], int] = {}
+
+    def expect(self, microbatches: Iterable[Microbatch]) -> None:
+        """Learn, from one iteration's microbatches, which microbatch consumes each deferred sample.
+
+        Deferred samples bound for the same consumer can then share one encoder
+        call (:meth:`consumer`): their backward still runs exactly once, with that
+        consumer's. Without it every deferred sample is encoded on its own.
+        """
+        for mb in microbatches:
+            for key in mb.deferred_in:
+                self._consumer[(mb.iteration, key)] = mb.microbatch
+
+    def consumer(self, key: str, iteration: int) -> int | None:
+        """The microbatch that will consume deferred ``key`` (None: not announced by :meth:`expect`)."""
+        return self._consumer.get((iteration, key))
 
     def __len__(self) -> int:
         return len(self._items)
@@ -175,6 +191,7 @@ class EncoderOutputBuffer:
         self._items[key] = (output, iteration)
         self._tokens += n
         self.peak_tokens = max(self.peak_tokens, self._tokens)
+        self._consumer.pop((iteration, key), None)
 
     def pop(self, key: str, iteration: int | None = None) -> torch.Tensor:
         """The buffered output of ``key``; its encoder backward runs with the consumer's."""
@@ -195,6 +212,8 @@ class EncoderOutputBuffer:
 
     def check_drained(self, iteration: int | None = None) -> None:
         """Raise when an iteration ends with samples encoded but never consumed."""
+        if iteration is not None:
+            self._consumer = {k: v for k, v in self._consumer.items() if k[0] > iteration}
         if self._items:
             left = ", ".join(sorted(self._items)[:5])
             raise InvalidInput(
@@ -204,6 +223,7 @@ class EncoderOutputBuffer:
 
     def clear(self) -> None:
         self._items.clear()
+        self._consumer.clear()
         self._tokens = 0
 
 

@@ -267,14 +267,20 @@ def encode_into_buffer(
 ) -> dict[str, torch.Tensor]:
     """Encode ``mb``'s encoder set; park deferred outputs in ``buffer``; return the LLM set's outputs.
 
-    Samples consumed here share one encoder graph; each deferred sample gets
-    its own, so its backward runs exactly once, with the microbatch that consumes it.
+    Samples consumed here share one encoder graph; deferred samples share one
+    per consuming microbatch (when ``buffer.expect`` announced it, else one
+    each), so every graph's backward runs exactly once, with its consumer's.
     """
     out_keys = set(mb.deferred_out)
     here = [k for k in mb.encoder_keys if k not in out_keys]
     encoded = model.encode(mb, here) if here else {}
+    groups: dict[object, list[str]] = {}
     for key in mb.deferred_out:
-        buffer.put(key, model.encode(mb, [key])[key], iteration=mb.iteration)
+        target = buffer.consumer(key, mb.iteration)
+        groups.setdefault(key if target is None else target, []).append(key)
+    for keys in groups.values():
+        for key, out in model.encode(mb, keys).items():
+            buffer.put(key, out, iteration=mb.iteration)
     for key in mb.deferred_in:
         encoded[key] = buffer.pop(key, iteration=mb.iteration)
     return encoded

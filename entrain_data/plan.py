@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from .errors import InvalidInput, PlanError
 from .presets import ModelSpec
 
@@ -225,6 +227,50 @@ class ParallelPlan:
         return [
             (s * self.dp + replica) * self.tp + t for s in range(self.pp) for t in range(self.tp)
         ]
+
+    def encoder_groups(self) -> list[list[int]]:
+        """Encoder columns that share a pipeline stage, grouped (ascending, disjoint).
+
+        Assignment balances one load per group: encoders on the same stage (all
+        of them when ``pp == 1``) run on the same GPU one after the other, so the
+        stage waits for their *sum*; balancing each alone would weigh a cheap
+        encoder as much as an expensive one.
+        """
+        n_enc = max(
+            [
+                s.encoder_index + 1
+                for st in self.stages
+                for s in st.segments
+                if s.encoder_index is not None
+            ],
+            default=0,
+        )
+        parent = list(range(n_enc))
+
+        def root(i: int) -> int:
+            while parent[i] != i:
+                i = parent[i]
+            return i
+
+        for st in self.stages:
+            idx = sorted({s.encoder_index for s in st.segments if s.encoder_index is not None})
+            for j in idx[1:]:
+                parent[root(j)] = root(idx[0])
+        groups: dict[int, list[int]] = {}
+        for i in range(n_enc):
+            groups.setdefault(root(i), []).append(i)
+        return sorted(groups.values())
+
+    def stage_encoder_cost(self, encoder_cost: np.ndarray) -> np.ndarray:
+        """[N, E] per-encoder sample costs -> [N, G] one column per :meth:`encoder_groups` group."""
+        enc = np.asarray(encoder_cost, dtype=np.float64)
+        enc = enc[:, None] if enc.ndim == 1 else enc
+        groups = self.encoder_groups()
+        if not groups or max(i for g in groups for i in g) >= enc.shape[1]:
+            raise InvalidInput(
+                f"plan: stages name encoder columns {groups}, but the costs have {enc.shape[1]}"
+            )
+        return np.stack([enc[:, g].sum(axis=1) for g in groups], axis=1)
 
     def fingerprint(self) -> str:
         """Short hash of the layout and microbatching: resume state refuses a different plan."""

@@ -80,6 +80,43 @@ def test_buffer_split_backward_runs_with_consumer() -> None:
     assert not torch.equal(model.vision.embed.weight.grad, g0)  # the deferred part arrived
 
 
+def test_deferred_samples_share_an_encoder_call_per_consumer() -> None:
+    """With ``expect``, deferred samples bound for one microbatch are encoded in one call;
+    losses and gradients equal one call per sample, and every graph's backward runs once."""
+    batch = global_batches(1)[0]
+    samples = {s.key: s for s in batch}
+    media = [s.key for s in batch if s.patches.shape[0] > 0 or s.audio.shape[0] > 0][:6]
+    assert len(media) == 6
+    rest = [k for k in samples if k not in media]
+    mbs = [
+        pack_microbatch(samples, media + rest, rest, microbatch=0),
+        pack_microbatch(samples, [], media[:3], microbatch=1),
+        pack_microbatch(samples, [], media[3:], microbatch=2),
+    ]
+    grads, calls = [], []
+    for announce in (False, True):
+        model = make_model()
+        n_calls = [0]
+
+        def count(*_, n_calls=n_calls):
+            n_calls[0] += 1
+
+        model.vision.register_forward_hook(count)
+        buffer = EncoderOutputBuffer()
+        if announce:
+            buffer.expect(mbs)
+        for mb in mbs:
+            loss, _ = model(mb, buffer)
+            loss.backward()
+        buffer.check_drained(0)
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+        calls.append(n_calls[0])
+    assert calls[1] < calls[0]
+    assert len(grads[0]) == len(grads[1])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_buffer_budget_iteration_and_frozen() -> None:
     buf = EncoderOutputBuffer(budget=10)
     buf.put("a", torch.zeros(6, 4, requires_grad=True) * 2, iteration=0)

@@ -48,7 +48,10 @@ class IndexCosts:
         table = read_index(self.index_path)
         plan = ParallelPlan.from_json(self.plan_json)
         costs = per_sample_costs(table, plan.model_spec(), calibration=plan.calibration)
-        return costs.encoder_cost(), costs.llm_cost(), np.asarray(costs.llm_tokens)
+        enc = costs.encoder_cost()
+        if enc.shape[1]:
+            enc = plan.stage_encoder_cost(enc)  # one column per group of co-located encoders
+        return enc, costs.llm_cost(), np.asarray(costs.llm_tokens)
 
 
 def _plan_json(plan: ParallelPlan | str | os.PathLike) -> str:
