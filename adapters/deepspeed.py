@@ -247,6 +247,7 @@ def train_step(
             "hook order, which balanced microbatches make differ between ranks"
         )
     buffer = buffer if buffer is not None else EncoderOutputBuffer()
+    buffer.expect(microbatches)  # deferred samples bound for one microbatch share an encoder call
     group = _dp_group(engine)
     dp = engine.dp_world_size
     count = global_loss_count(microbatches, mode, group, engine.device)

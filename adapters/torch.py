@@ -133,6 +133,7 @@ def accumulate_gradients(
             return model(mb, buffer, mode=mode)
 
     buffer = buffer if buffer is not None else EncoderOutputBuffer()
+    buffer.expect(microbatches)  # deferred samples bound for one microbatch share an encoder call
     on = dist.is_available() and dist.is_initialized()
     dp = dist.get_world_size(dp_group) if on else 1
     count = global_loss_count(microbatches, mode, dp_group, device)

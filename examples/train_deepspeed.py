@@ -34,9 +34,8 @@ def main() -> None:
     buffer = EncoderOutputBuffer(plan.defer_budget)  # entrain
     replica = plan.rank_coords(rank).replica  # entrain
     for mbs in group_iterations(synthetic_stream(plan, replica, steps=5)):  # entrain: EntrainLoader
-        loss = train_step(
-            engine, mbs, buffer=buffer
-        )  # entrain: forward/backward/step per microbatch
+        # entrain: every microbatch's forward/backward, one gradient reduction and one step
+        loss = train_step(engine, mbs, buffer=buffer)
         if rank == 0:
             logging.info("iteration %d loss %.4f", mbs[0].iteration, loss)
     torch.distributed.destroy_process_group()

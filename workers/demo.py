@@ -124,7 +124,7 @@ def _rank_main(rank: int, port: int, endpoint: str, out_path: str, seed: int, lr
     """One training rank: DDP over gloo, microbatches from the loader service, timed forwards."""
     import torch
     import torch.distributed as dist
-    from entrain_data.adapters.common import EncoderOutputBuffer, group_iterations
+    from entrain_data.adapters.common import group_iterations
     from entrain_data.adapters.reference_model import ReferenceMLLM
     from entrain_data.adapters.torch import accumulate_gradients
 
@@ -184,9 +184,7 @@ def _rank_main(rank: int, port: int, endpoint: str, out_path: str, seed: int, lr
         with EntrainLoader(endpoint, rank, timeout=120.0) as loader:
             for mbs in group_iterations(loader):
                 t0 = time.perf_counter()
-                buffer = EncoderOutputBuffer()
-                buffer.expect(mbs)  # deferred samples bound for one microbatch: one encoder call
-                res = accumulate_gradients(ddp, mbs, forward, buffer=buffer)
+                res = accumulate_gradients(ddp, mbs, forward)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 steps.append(
