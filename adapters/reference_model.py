@@ -88,16 +88,28 @@ def packed_causal_mask(cu_seqlens: torch.Tensor) -> torch.Tensor:
     return _block_mask(torch.diff(cu_seqlens.long()), causal=True, device=cu_seqlens.device)
 
 
-class Segments(tuple):
+class Segments:
     """Segment lengths of a packed sequence (+ causality): attention runs per segment, so its cost
-    is the sum of squared segment lengths, not the square of the packed length."""
+    is the sum of squared segment lengths, not the square of the packed length.
 
-    causal: bool
+    Not a tuple subclass on purpose: frameworks that walk module inputs and rebuild
+    tuples (DeepSpeed ZeRO-3's ``apply_to_tensors_only``) would drop ``causal``.
+    """
 
-    def __new__(cls, lengths: Sequence[int], causal: bool):
-        obj = super().__new__(cls, (int(n) for n in lengths))
-        obj.causal = causal
-        return obj
+    __slots__ = ("lengths", "causal")
+
+    def __init__(self, lengths: Sequence[int], causal: bool):
+        self.lengths = tuple(int(n) for n in lengths)
+        self.causal = bool(causal)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.lengths)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __repr__(self) -> str:
+        return f"Segments({list(self.lengths)}, causal={self.causal})"
 
 
 class _Block(nn.Module):
