@@ -2,7 +2,8 @@
 
 ``assign`` is a pure function over arrays: per-sample encoder and LLM cost and
 LLM tokens in, per replica and microbatch an encoder set and an LLM set out.
-See :mod:`.entrain` for the method and :mod:`.baselines` for the peers.
+See :mod:`.entrain` for the method (with :mod:`.replica_split`, :mod:`.encoder_sets` and
+:mod:`.llm_sets` for its levels) and :mod:`.baselines` for the peers.
 """
 
 from __future__ import annotations

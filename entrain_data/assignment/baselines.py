@@ -13,7 +13,8 @@ import numpy as np
 
 from ..errors import InvalidInput
 from .common import Assignment, Inputs
-from .entrain import lpt_bins, split_replicas
+from .encoder_sets import lpt_bins
+from .replica_split import split_replicas
 
 __all__ = [
     "assign_sequential",

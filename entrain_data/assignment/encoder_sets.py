@@ -1,0 +1,188 @@
+"""Level 2, first layer: the encoder sets E_j of every replica.
+
+Largest-first placement of per-sample work into the M microbatches of each
+replica (one column, :func:`lpt_bins` then :func:`refine_bins`; or every
+column at once, :func:`vector_bins`), vectorised over replicas, and the
+orderings of the resulting bins (LLM-heaviest first, or heaviest in the middle).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["lpt_bins", "refine_bins", "vector_bins", "order_by_llm", "order_mountain"]
+
+_ITEMWISE_LPT = 512  # rows up to this many items are placed one item at a time
+
+
+def lpt_bins(cost: np.ndarray, valid: np.ndarray, m: int) -> np.ndarray:
+    """Largest-first placement of [R, n] items into m bins per row; returns bin ids (-1 invalid).
+
+    Short rows: classic LPT, one item at a time. Long rows: rounds of m items, largest
+    first, the round's largest item to the lightest bin, its second to the second
+    lightest, and so on (LPT vectorised over a round: the loop runs n / m times, not n). :func:`refine_bins` then removes what this leaves.
+    """
+    r, n = cost.shape
+    key = np.where(valid, cost, -np.inf)
+    order = np.argsort(-key, axis=1, kind="stable")
+    bins = np.full((r, n), -1, dtype=np.int64)
+    loads = np.zeros((r, m))
+    rows = np.arange(r)[:, None]
+    counts = np.zeros((r, m))
+    step = 1 if n <= _ITEMWISE_LPT else m  # item by item where it is cheap: tighter bins
+    for t in range(0, n, step):
+        item = order[:, t : t + step]
+        w = item.shape[1]
+        ok = valid[rows, item]
+        if not ok.any():
+            break
+        # lightest bins first; among equal loads the one with fewer items
+        target = np.argsort(loads + counts * 1e-12, axis=1, kind="stable")[:, :w]
+        rr = np.broadcast_to(rows, item.shape)[ok]
+        bins[rr, item[ok]] = target[ok]
+        np.add.at(loads, (rr, target[ok]), cost[rr, item[ok]])
+        np.add.at(counts, (rr, target[ok]), 1)
+    return bins
+
+
+def refine_bins(bins: np.ndarray, cost: np.ndarray, valid: np.ndarray, m: int, iters: int) -> None:
+    """Improve [R, n] bin ids in place: swap (or move) items between each row's heaviest and
+    lightest bin when that narrows their gap; LPT leaves up to a third of a bin on the table
+    when bins hold few items, and this recovers most of it.
+
+    Only the two bins' members are compared, and for each item of the heavy bin only the
+    light-bin items nearest the ideal partner (found by binary search), so a step costs
+    O(R * n log n), not O(R * n^2).
+    """
+    r_count, n = bins.shape
+    if n == 0 or m < 2:
+        return
+    rows = np.arange(r_count)
+    c = np.where(valid, cost, 0.0)
+    slot = np.where(valid, bins, m)  # invalid items in an extra, ignored bin
+    flat_rows = np.broadcast_to(rows[:, None], slot.shape)
+    span = 4.0 * (float(c.max()) + 1.0) * (1 + n)
+    for _ in range(iters):
+        counts = np.zeros((r_count, m + 1), dtype=np.int64)
+        np.add.at(counts, (flat_rows, slot), 1)
+        loads = np.zeros((r_count, m + 1))
+        np.add.at(loads, (flat_rows, slot), c)
+        loads = loads[:, :m]
+        h = np.argmax(loads, axis=1)
+        lo = np.argmin(loads, axis=1)
+        gap = loads[rows, h] - loads[rows, lo]
+        # members of h and lo, each sorted by cost, padded to k
+        key = slot * span + c
+        order = np.argsort(key, axis=1, kind="stable")
+        starts = np.cumsum(counts, axis=1) - counts
+        nh, nl = counts[rows, h], counts[rows, lo]
+        k = int(max(nh.max(), nl.max(), 1))
+        ar = np.arange(k)[None, :]
+        ih = np.take_along_axis(order, np.minimum(starts[rows, h][:, None] + ar, n - 1), axis=1)
+        il = np.take_along_axis(order, np.minimum(starts[rows, lo][:, None] + ar, n - 1), axis=1)
+        vh = ar < nh[:, None]
+        ch = np.take_along_axis(c, ih, axis=1)
+        # light-bin costs, ascending, with a 0 (a move) in front; pads sort last in their row
+        cl = np.where(ar < nl[:, None], np.take_along_axis(c, il, axis=1), span / 2)
+        cl = np.concatenate([np.zeros((r_count, 1)), cl], axis=1)  # [R, k + 1]
+        flat = (cl + rows[:, None] * span).ravel()
+        want = ch - gap[:, None] / 2 + rows[:, None] * span
+        pos = np.searchsorted(flat, want.ravel()).reshape(r_count, k) - rows[:, None] * (k + 1)
+        best_gap = np.full(r_count, np.inf)
+        best_a = np.zeros(r_count, dtype=np.int64)
+        best_b = np.zeros(r_count, dtype=np.int64)
+        for p in (pos - 1, pos):
+            p = np.clip(p, 0, k)
+            cand = np.take_along_axis(cl, p, axis=1)
+            valid_b = (p == 0) | (p - 1 < nl[:, None])
+            ng = np.abs(gap[:, None] - 2 * (ch - cand))
+            ng = np.where(vh & valid_b, ng, np.inf)
+            a = np.argmin(ng, axis=1)
+            g = ng[rows, a]
+            upd = g < best_gap
+            best_gap = np.where(upd, g, best_gap)
+            best_a = np.where(upd, a, best_a)
+            best_b = np.where(upd, p[rows, a], best_b)
+        better = best_gap < gap - 1e-12 * np.maximum(gap, 1.0)
+        if not better.any():
+            break
+        rr = rows[better]
+        slot[rr, ih[rr, best_a[better]]] = lo[better]
+        swap = better & (best_b > 0)
+        rs = rows[swap]
+        slot[rs, il[rs, best_b[swap] - 1]] = h[swap]
+    bins[:] = np.where(valid, slot, -1)
+
+
+def vector_bins(w: np.ndarray, valid: np.ndarray, m: int) -> np.ndarray:
+    """[R, n] bin ids (-1 invalid) balancing every column of ``w`` [R, n, D] at once.
+
+    Items largest first (by their largest column share); each goes to the bin whose
+    worst column, relative to that column's per-bin target, is lowest after adding it
+    (vector LPT: the max-normalised-load objective). Short rows item by item, long rows
+    in rounds of m (one item per bin per round, the round's largest to the best bin).
+    """
+    r_count, n, d = w.shape
+    target = np.where(valid[..., None], w, 0.0).sum(axis=1) / m  # [R, D]
+    wn = w / np.where(target > 0, target, 1.0)[:, None, :]
+    key = np.where(valid, wn.max(axis=2), -np.inf)
+    order = np.argsort(-key, axis=1, kind="stable")
+    bins = np.full((r_count, n), -1, dtype=np.int64)
+    loads = np.zeros((r_count, m, d))
+    rows = np.arange(r_count)
+    counts = np.zeros((r_count, m))
+    if n <= _ITEMWISE_LPT:
+        for t in range(n):
+            item = order[:, t]
+            ok = valid[rows, item]
+            if not ok.any():
+                break
+            after = (loads + wn[rows, item][:, None, :]).max(axis=2)  # [R, m]
+            j = np.argmin(after + 1e-9 * loads.sum(axis=2) + 1e-12 * counts, axis=1)
+            rr = rows[ok]
+            bins[rr, item[ok]] = j[ok]
+            loads[rr, j[ok]] += wn[rr, item[ok]]
+            counts[rr, j[ok]] += 1
+        return bins
+    rr2 = rows[:, None]
+    for t in range(0, n, m):
+        item = order[:, t : t + m]
+        ok = valid[rr2, item]
+        if not ok.any():
+            break
+        target_bins = np.argsort(loads.max(axis=2) + 1e-12 * counts, axis=1, kind="stable")
+        tb = target_bins[:, : item.shape[1]]
+        rr = np.broadcast_to(rr2, item.shape)[ok]
+        bins[rr, item[ok]] = tb[ok]
+        np.add.at(loads, (rr, tb[ok]), wn[rr, item[ok]])
+        np.add.at(counts, (rr, tb[ok]), 1)
+    return bins
+
+
+def order_by_llm(ebin, members_ok, llm, m):
+    """Renumber E bins so that the LLM-heaviest comes first (deferral moves surplus later)."""
+    r_count = llm.shape[0]
+    rows = np.arange(r_count)[:, None]
+    bin_llm = np.zeros((r_count, m))
+    np.add.at(
+        bin_llm, (np.broadcast_to(rows, ebin.shape)[members_ok], ebin[members_ok]), llm[members_ok]
+    )
+    rank = np.argsort(np.argsort(-bin_llm, axis=1, kind="stable"), axis=1)
+    return np.where(members_ok, np.take_along_axis(rank, np.maximum(ebin, 0), axis=1), -1)
+
+
+def order_mountain(ebin, ok, enc_w, llm, m):
+    """Renumber bins so the heaviest (encoder + LLM, each normalised) sit in the middle."""
+    r_count = llm.shape[0]
+    rows = np.broadcast_to(np.arange(r_count)[:, None], ebin.shape)
+    tot = enc_w / max(float(enc_w[ok].mean()) if ok.any() else 1.0, 1e-30) + llm / max(
+        float(llm[ok].mean()) if ok.any() else 1.0, 1e-30
+    )
+    load = np.zeros((r_count, m))
+    np.add.at(load, (rows[ok], ebin[ok]), tot[ok])
+    centre = (m - 1) / 2
+    pos_order = np.argsort(np.abs(np.arange(m) - centre), kind="stable")
+    heavy_first = np.argsort(-load, axis=1, kind="stable")
+    newpos = np.empty((r_count, m), dtype=np.int64)
+    np.put_along_axis(newpos, heavy_first, np.broadcast_to(pos_order, (r_count, m)), axis=1)
+    return np.where(ok, np.take_along_axis(newpos, np.maximum(ebin, 0), axis=1), -1)

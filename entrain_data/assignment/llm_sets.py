@@ -1,0 +1,170 @@
+"""Level 2, second layer: the LLM sets L_j, by deferral under the token cap and budget.
+
+A sample encoded in microbatch i may be consumed by the LLM in any j >= i
+(its encoder output waits in a buffer of bounded tokens). Two builders, both
+vectorised over replicas: a running-target fill (:func:`llm_sets_fill`) and a
+release-constrained LPT (:func:`llm_sets_lpt`); plus the joint first-fit
+fallback (E_j == L_j) used when deferral cannot meet the cap or budget.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import InvalidInput
+
+__all__ = ["llm_sets_fill", "llm_sets_lpt", "ffd_joint", "fits_cap"]
+
+
+def llm_sets_fill(eidx, has_enc, valid, llm, tok, m, cap, budget, tol):
+    """LLM microbatch of every member ([R, n]) and the replicas where deferral failed."""
+    r_count, n = llm.shape
+    rows = np.arange(r_count)
+    lidx = np.full((r_count, n), -1, dtype=np.int64)
+    consumed = ~valid
+    failed = np.zeros(r_count, bool)
+    big = np.iinfo(np.int64).max // 4
+    cap_v = big if cap is None else cap
+    for j in range(m):
+        avail = ~consumed & ((eidx <= j) | ~has_enc)
+        remaining = np.where(consumed, 0.0, llm).sum(axis=1)
+        if j == m - 1:
+            take = avail.copy()
+            ntok = np.where(take, tok, 0).sum(axis=1)
+            failed |= ntok > cap_v
+            failed |= (~consumed & ~take).any(axis=1)
+        else:
+            target = remaining / (m - j)
+            take, ntok = _fill(avail, llm, tok, target * (1 + tol), cap_v)
+            if budget is not None:
+                waiting = has_enc & (eidx <= j) & ~consumed & ~take
+                buffered = np.where(waiting, tok, 0).sum(axis=1)
+                if (buffered > budget).any():
+                    # consume the oldest waiting samples first
+                    okey = np.where(waiting, eidx * (n + 1) + np.arange(n)[None, :], big)
+                    order = np.argsort(okey, axis=1, kind="stable")
+                    width = int(waiting.sum(axis=1).max())
+                    for t in range(width):
+                        item = order[:, t]
+                        need = waiting[rows, item] & (buffered > budget)
+                        tk = tok[rows, item]
+                        fits = need & (ntok + tk <= cap_v)
+                        take[rows[fits], item[fits]] = True
+                        ntok += np.where(fits, tk, 0)
+                        buffered -= np.where(fits, tk, 0)
+                    failed |= buffered > budget
+        lidx[take] = j
+        consumed |= take
+    return lidx, failed
+
+
+def llm_sets_lpt(eidx, has_enc, valid, llm, tok, m, cap, budget):
+    """LLM microbatch of every member ([R, n]) by release-constrained LPT.
+
+    Largest LLM work first, each sample goes to the least LLM-loaded microbatch
+    j >= its encoder microbatch (its release) such that the token cap holds in
+    j and the deferral buffer stays within budget at every boundary it waits
+    across. Text-only samples are released at 0 (they are encoded where
+    consumed). Rows where some sample fits nowhere are reported failed.
+    """
+    r_count, n = llm.shape
+    rows = np.arange(r_count)
+    big = np.iinfo(np.int64).max // 4
+    cap_v = big if cap is None else cap
+    bud_v = big if budget is None else budget
+    release = np.where(has_enc, eidx, 0)
+    order = np.argsort(-np.where(valid, llm, -np.inf), axis=1, kind="stable")
+    lidx = np.full((r_count, n), -1, dtype=np.int64)
+    loads = np.zeros((r_count, m))
+    toks = np.zeros((r_count, m), dtype=np.int64)
+    buffered = np.zeros((r_count, m), dtype=np.int64)  # tokens waiting after boundary j
+    failed = np.zeros(r_count, bool)
+    jj = np.arange(m)[None, :]
+    for t in range(n):
+        item = order[:, t]
+        ok = valid[rows, item]
+        if not ok.any():
+            break
+        rel = release[rows, item][:, None]
+        tk = tok[rows, item][:, None]
+        buf_ok = (buffered + tk <= bud_v) | (jj < rel) | ~has_enc[rows, item][:, None]
+        # j is reachable when every boundary rel..j-1 can hold the sample while it waits
+        reach = np.cumprod(np.concatenate([np.ones((r_count, 1), bool), buf_ok[:, :-1]], 1), 1)
+        fits = (jj >= rel) & reach.astype(bool) & (toks + tk <= cap_v)
+        none = ok & ~fits.any(axis=1)
+        failed |= none
+        place = ok & ~none
+        j = np.argmin(np.where(fits, loads + 1e-12 * toks, np.inf), axis=1)
+        rr = rows[place]
+        jp = j[place]
+        lidx[rr, item[place]] = jp
+        loads[rr, jp] += llm[rr, item[place]]
+        toks[rr, jp] += tok[rr, item[place]]
+        wait = place & has_enc[rows, item]
+        span = (jj >= rel) & (jj < j[:, None]) & wait[:, None]
+        buffered += np.where(span, tk, 0)
+    return lidx, failed
+
+
+def _fill(avail, cost, tok, limit, cap, fills: int = 3):
+    """Per row, items with total cost near ``limit`` under the token ``cap`` (at least one).
+
+    Largest first while the running sum stays within the limit, then up to
+    ``fills`` times the largest remaining item that still fits the gap.
+    """
+    r_count, n = cost.shape
+    rows = np.arange(r_count)
+    order = np.argsort(-np.where(avail, cost, -np.inf), axis=1, kind="stable")
+    a_s = np.take_along_axis(avail, order, 1)
+    c_s = np.take_along_axis(np.where(avail, cost, 0.0), order, 1)
+    t_s = np.take_along_axis(np.where(avail, tok, 0), order, 1)
+    ok = a_s & (np.cumsum(c_s, 1) <= limit[:, None]) & (np.cumsum(t_s, 1) <= cap)
+    length = np.where(ok.all(axis=1), n, np.argmin(ok, axis=1))
+    length = np.where(a_s[:, 0] & (length == 0), 1, length)
+    take_s = np.arange(n)[None, :] < length[:, None]
+    take = np.zeros_like(avail)
+    np.put_along_axis(take, order, take_s, axis=1)
+    load = (c_s * take_s).sum(axis=1)
+    ntok = (t_s * take_s).sum(axis=1)
+    for _ in range(fills):
+        cand = avail & ~take & (cost <= (limit - load)[:, None]) & (tok <= (cap - ntok)[:, None])
+        best = np.argmax(np.where(cand, cost, -1.0), axis=1)
+        has = cand[rows, best]
+        if not has.any():
+            break
+        take[rows[has], best[has]] = True
+        load += np.where(has, cost[rows, best], 0.0)
+        ntok += np.where(has, tok[rows, best], 0)
+    return take, ntok
+
+
+def ffd_joint(cost: np.ndarray, tok: np.ndarray, m: int, cap: int | None, where: str) -> np.ndarray:
+    """Bins for one replica with E == L: least-loaded-that-fits, largest first, under ``cap``."""
+    n = len(cost)
+    order = np.argsort(-cost, kind="stable")
+    loads = np.zeros(m)
+    toks = np.zeros(m, dtype=np.int64)
+    out = np.empty(n, dtype=np.int64)
+    for i in order:
+        fits = np.ones(m, bool) if cap is None else toks + tok[i] <= cap
+        if not fits.any():
+            raise InvalidInput(
+                f"{where}: cannot pack {int(tok.sum())} tokens into {m} microbatches of "
+                f"max_tokens={cap} (sample {int(i)} does not fit); raise max_tokens or microbatches"
+            )
+        j = int(np.argmin(np.where(fits, loads, np.inf)))
+        out[i] = j
+        loads[j] += cost[i]
+        toks[j] += tok[i]
+    return out
+
+
+def fits_cap(bins, valid, tok, m, cap):
+    """[R] whether every bin of joint sets ``bins`` stays within the token cap."""
+    r_count = tok.shape[0]
+    if cap is None:
+        return np.ones(r_count, bool)
+    t_load = np.zeros((r_count, m), dtype=np.int64)
+    rr = np.broadcast_to(np.arange(r_count)[:, None], tok.shape)
+    np.add.at(t_load, (rr[valid], bins[valid]), tok[valid])
+    return (t_load <= cap).all(axis=1)

@@ -1,0 +1,97 @@
+"""Level 1 of Entrain's assignment: the global batch split across DP replicas.
+
+Every replica's *vector* of per-module sums (each encoder, the LLM) should
+match: greedy largest-first placement in rounds, then pairwise swaps that
+shrink the worst relative deviation on any module. Counts differ by at most one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["split_replicas", "norm_columns"]
+
+_SWAP_CANDIDATES = 64  # members considered per replica in one swap step
+_GOOD_ENOUGH = 2e-3  # relative deviation of a replica's module sum below which swaps stop
+_GREEDY_ROUNDS = 64  # level-1 rounds placed greedily; the rest, small items, in serpentine
+
+
+def norm_columns(w: np.ndarray) -> np.ndarray:
+    """Scale every column to mean 1 (zero columns stay zero) so modules weigh alike."""
+    mean = w.mean(axis=0)
+    scale = np.where(mean > 0, mean, 1.0)
+    return w / scale
+
+
+def split_replicas(
+    w: np.ndarray, dp: int, rng: np.random.Generator, swap_iters: int | None = None
+) -> np.ndarray:
+    """Level 1: [dp, n] member matrix (-1 pads) with matched per-module sums.
+
+    ``w`` is [B, D] per-sample work per module, already on a common scale.
+    Counts differ by at most one between replicas.
+    """
+    b, d = w.shape
+    if dp == 1:
+        return np.arange(b, dtype=np.int64)[None, :]
+    n = -(-b // dp)
+    perm = rng.permutation(b)  # seeded tie-break
+    key = w.sum(axis=1)
+    order = perm[np.argsort(-key[perm], kind="stable")]
+    order = np.concatenate([order, np.full(n * dp - b, -1, dtype=np.int64)])
+    wp = np.vstack([w, np.zeros((1, d))])  # row -1 -> zeros
+    members = np.empty((dp, n), dtype=np.int64)
+    loads = np.zeros((dp, d))
+    greedy = min(n, _GREEDY_ROUNDS)
+    for k in range(greedy):
+        items = order[k * dp : (k + 1) * dp]
+        lightest = np.argsort(loads.sum(axis=1), kind="stable")
+        members[lightest, k] = items
+        loads[lightest] += wp[items]
+    if greedy < n:
+        # the small tail: serpentine rounds (lightest first, then back), in one step
+        lightest = np.argsort(loads.sum(axis=1), kind="stable")
+        tail = order[greedy * dp :].reshape(n - greedy, dp)
+        tail[1::2] = tail[1::2, ::-1]
+        members[lightest, greedy:] = tail.T
+        loads[lightest] += wp[tail].sum(axis=0)
+    _refine_replicas(members, loads, wp, swap_iters if swap_iters is not None else min(2 * dp, 16))
+    return members
+
+
+def _refine_replicas(members: np.ndarray, loads: np.ndarray, wp: np.ndarray, iters: int) -> None:
+    """Pairwise swaps between the worst replica and its most complementary one."""
+    dp, n = members.shape
+    mean = loads.mean(axis=0)
+    scale = np.where(mean > 0, mean, 1.0)
+    cols = np.arange(n)
+    if n > _SWAP_CANDIDATES:
+        cols = np.linspace(0, n - 1, _SWAP_CANDIDATES).astype(np.int64)
+    tried: set[tuple[int, int]] = set()
+    for _ in range(iters):
+        rel = (loads - mean) / scale  # [dp, D]
+        obj = np.abs(rel).max(axis=1)
+        a = int(np.argmax(obj))
+        if obj[a] < _GOOD_ENOUGH:
+            break
+        dim = int(np.argmax(np.abs(rel[a])))
+        sign = np.sign(rel[a, dim])
+        cand = np.argsort(sign * rel[:, dim], kind="stable")
+        b = next((int(c) for c in cand if c != a and (a, int(c)) not in tried), None)
+        if b is None:
+            break
+        ia, ib = members[a, cols], members[b, cols]
+        delta = wp[ia][:, None, :] - wp[ib][None, :, :]  # [na, nb, D]
+        new_a = (loads[a] - delta - mean) / scale
+        new_b = (loads[b] + delta - mean) / scale
+        new_obj = np.maximum(np.abs(new_a).max(axis=2), np.abs(new_b).max(axis=2))
+        best = int(np.argmin(new_obj))
+        x, y = divmod(best, len(cols))
+        if new_obj[x, y] >= max(obj[a], obj[b]) - 1e-12:
+            tried.add((a, b))
+            continue
+        tried.clear()
+        ca, cb = cols[x], cols[y]
+        loads[a] -= delta[x, y]
+        loads[b] += delta[x, y]
+        members[a, ca], members[b, cb] = members[b, cb], members[a, ca]
