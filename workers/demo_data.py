@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
+from webdataset import TarWriter
 
 from entrain_data.errors import InvalidInput
 
@@ -197,20 +198,11 @@ def write_demo_dataset(
     for s in range(shards):
         path = out / f"demo-{s:03d}.tar"
         tmp = path.with_name(path.name + ".tmp")
-        with tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT) as tar:
+        # webdataset's own writer: the shards are what its readers (and ours) expect
+        with TarWriter(str(tmp), encoder=False, mtime=0, format=tarfile.USTAR_FORMAT) as tar:
             for i in range(int(bounds[s]), int(bounds[s + 1])):
                 _, members = demo_sample(seed, i)
-                _add_sample(tar, f"{i:06d}", members)
+                tar.write({"__key__": f"{i:06d}", **members})
         tmp.replace(path)
         paths.append(path)
     return paths
-
-
-def _add_sample(tar: tarfile.TarFile, key: str, members: dict[str, bytes]) -> None:
-    for ext in sorted(members):
-        data = members[ext]
-        info = tarfile.TarInfo(f"{key}.{ext}")
-        info.size = len(data)
-        info.mtime = 0
-        info.mode = 0o644
-        tar.addfile(info, io.BytesIO(data))
