@@ -49,6 +49,7 @@ class ModuleFit:
             )
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields (saved with the plan)."""
         return {
             k: getattr(self, k)
             for k in ("linear", "quadratic", "constant", "rel_rms", "r2", "n", "phase")
@@ -78,6 +79,7 @@ class Calibration:
     hardware: str = ""
 
     def get(self, name: str) -> ModuleFit | None:
+        """The fit of module ``name`` (an encoder's name or ``"llm"``), None when not calibrated."""
         return self.modules.get(name)
 
     def merged(self, other: Calibration) -> Calibration:
@@ -87,6 +89,7 @@ class Calibration:
         )
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form; :meth:`from_dict` reads it back."""
         return {
             "hardware": self.hardware,
             "modules": {k: v.to_dict() for k, v in self.modules.items()},

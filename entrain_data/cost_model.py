@@ -142,6 +142,7 @@ class SampleCosts:
         return self.encoder_fwd() * (1.0 + self.encoder_bwd_factor)
 
     def llm_fwd(self) -> np.ndarray:
+        """[N] forward seconds of every sample through the whole LLM (all layers + embedding/head)."""
         return self.llm_layer_fwd * self.llm_layers + self.llm_fixed_fwd
 
     def llm_cost(self) -> np.ndarray:

@@ -122,6 +122,7 @@ class StagePlan:
         return self.segments[0].last
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form of the stage (its segments and expected load)."""
         return {
             "index": self.index,
             "module": self.module,
@@ -301,12 +302,14 @@ class ParallelPlan:
 
     # ------------------------------------------------------ (de)serialising
     def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form of the whole plan; :meth:`from_dict` validates it back."""
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
         d["stages"] = [s.to_dict() for s in self.stages]
         d["memory_gb"] = list(self.memory_gb)
         return d
 
     def to_json(self) -> str:
+        """The plan as indented JSON text (what ``entrain-data plan`` writes)."""
         return json.dumps(self.to_dict(), indent=2)
 
     @classmethod
@@ -338,6 +341,7 @@ class ParallelPlan:
         return cls.from_dict(d, origin)
 
     def save(self, path: str | Path) -> Path:
+        """Write the plan as JSON to ``path`` (parents created); returns the path."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")

@@ -194,6 +194,7 @@ class ModuleConfig:
 
     # ------------------------------------------------------------ (de)serial
     def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (plans embed the model they were made for)."""
         d = asdict(self)
         d["full_attention_layers"] = list(self.full_attention_layers)
         return d
@@ -221,6 +222,7 @@ class ModuleConfig:
             raise InvalidInput(f"{origin}: {exc}") from exc
 
     def with_frozen(self, frozen: bool = True) -> ModuleConfig:
+        """This module frozen (forward only in training) or trainable again."""
         return replace(self, frozen=frozen)
 
 
@@ -251,6 +253,7 @@ class ModelSpec:
         return tuple(e.name for e in self.encoders) + ("llm",)
 
     def module(self, name: str) -> ModuleConfig:
+        """The module called ``name`` (``"llm"`` or a module's own name); InvalidInput otherwise."""
         if name == "llm" or name == self.llm.name:
             return self.llm
         for e in self.encoders:
@@ -259,9 +262,11 @@ class ModelSpec:
         raise InvalidInput(f"model spec: no module named {name!r} (have {list(self.module_names)})")
 
     def encoder_parameters(self, e: int) -> int:
+        """Parameter count of encoder ``e`` including its projector to the LLM width."""
         return self.encoders[e].parameters(self.llm.hidden)
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form; ``ModelSpec.from_dict`` reads it back."""
         return {
             "name": self.name,
             "encoders": [e.to_dict() for e in self.encoders],

@@ -104,6 +104,7 @@ class MacroProfile:
 
     # ------------------------------------------------------------ serialise
     def to_dict(self, include_batches: bool = True) -> dict[str, Any]:
+        """JSON-ready form of the profile."""
         d: dict[str, Any] = {
             "schema_version": PROFILE_SCHEMA_VERSION,
             "module_names": list(self.module_names),
@@ -132,6 +133,7 @@ class MacroProfile:
         return d
 
     def to_json(self, include_batches: bool = True) -> str:
+        """The profile as indented JSON text."""
         return json.dumps(self.to_dict(include_batches))
 
     @classmethod

@@ -62,6 +62,7 @@ class PipelineResult:
     bubble_fraction: float  # idle share of the slowest replica's stages
 
     def to_dict(self) -> dict:
+        """JSON-ready form of the simulated timings."""
         return {
             "iteration_time": self.iteration_time,
             "replica_times": self.replica_times.tolist(),
