@@ -92,7 +92,9 @@ def test_entrain_llm_sets_defer_forward_only_and_balance():
         return loads.std() / loads.mean()
 
     assert cv(a.encoder_sets, enc) < cv(s.encoder_sets, enc) / 5
-    assert cv(a.llm_sets, llm) < cv(s.llm_sets, llm) / 4  # the paper reports 4.1x
+    # the paper reports 4.1x; the LPT/deferral sets reach 4.2x here, and the pipeline search
+    # (pipeline_search.py) may then let the L sets' CV grow by up to 10% for iteration time
+    assert cv(a.llm_sets, llm) < cv(s.llm_sets, llm) / 3.5
     assert any(len(mb.deferred) for mb in [_Deferred(a, r, j) for r in range(dp) for j in range(m)])
 
 

@@ -23,9 +23,14 @@ to joint sets (E_j == L_j) packed first-fit-decreasing under the cap, so the
 invariants hold for every input the validation accepts, or a clear error says
 why the cap cannot be met.
 
+Below ``_SEARCH_BELOW`` samples the chosen sets are then refined against a
+simulated 1F1B pipeline (:mod:`.pipeline_search`): whole-sample moves that
+shorten a proxy pipeline's iteration while every module's per-microbatch CV
+stays within a stated slack of the sets' own (4% encoders, 10% LLM).
+
 The levels live in modules of their own: :mod:`.replica_split` (level 1),
-:mod:`.encoder_sets` (E_j) and :mod:`.llm_sets` (L_j); this module builds the
-level-2 candidates, scores them and picks one per replica.
+:mod:`.encoder_sets` (E_j), :mod:`.llm_sets` (L_j) and :mod:`.pipeline_search`;
+this module builds the level-2 candidates, scores them and picks one per replica.
 """
 
 from __future__ import annotations
@@ -35,11 +40,13 @@ import numpy as np
 from .common import Assignment, Inputs, rng_for
 from .encoder_sets import lpt_bins, order_by_llm, order_mountain, refine_bins, vector_bins
 from .llm_sets import ffd_joint, fits_cap, llm_sets_fill, llm_sets_lpt
+from .pipeline_search import refine_by_pipeline
 from .replica_split import norm_columns, split_replicas
 
 __all__ = ["assign_entrain", "split_replicas", "lpt_bins"]
 
 _ALL_CANDIDATES_BELOW = 4096  # global batches this small try every level-2 candidate
+_SEARCH_BELOW = 4096  # global batches this small refine the sets on a simulated pipeline
 _MOUNTAIN = True
 _EDGE_WEIGHT = 0.05  # 1F1B fill/drain: a heavy first or last microbatch costs the whole pipe
 _ENC_SLACK = 0.10  # a candidate's encoder CV may exceed the LPT sets' by this share
@@ -102,7 +109,11 @@ def assign_entrain(x: Inputs, seed: int, iteration: int, tolerance: float = 0.02
         cands += _more_candidates(
             eidx, has_enc, valid, enc_cols, llm, tok, m, cap, budget, tolerance
         )
-    return _pick(cands, x, members, valid, has_enc, enc_cols, enc_w, llm, tok, m)
+    eidx, lidx = _pick(cands, x, members, valid, has_enc, enc_cols, enc_w, llm, tok, m)
+    if x.n < _SEARCH_BELOW:
+        args = (valid, has_enc, enc_cols, llm, tok, m, cap, budget, rng_for(seed, iteration, 2))
+        eidx, lidx = refine_by_pipeline(eidx, lidx, *args)
+    return _to_assignment("entrain", members, valid, eidx, lidx, r_count, m)
 
 
 def _more_candidates(eidx, has_enc, valid, enc_cols, llm, tok, m, cap, budget, tolerance):
@@ -134,7 +145,8 @@ def _more_candidates(eidx, has_enc, valid, enc_cols, llm, tok, m, cap, budget, t
 
 
 def _pick(cands, x, members, valid, has_enc, enc_cols, enc_w, llm, tok, m):
-    """Per replica the best-scoring candidate; replicas where all fail get joint FFD sets."""
+    """Per replica the best-scoring candidate ([R, n] E and L microbatch); replicas where all
+    fail get joint FFD sets."""
     r_count = x.dp
     eidx = cands[0][0]
     best_score = np.full(r_count, np.inf)
@@ -162,8 +174,7 @@ def _pick(cands, x, members, valid, has_enc, enc_cols, enc_w, llm, tok, m):
         )
         eidx[r, v] = joint
         lidx[r, v] = joint
-    eidx, lidx = _edges_light(eidx, lidx, valid, enc_w, llm, m)
-    return _to_assignment("entrain", members, valid, eidx, lidx, r_count, m)
+    return _edges_light(eidx, lidx, valid, enc_w, llm, m)
 
 
 def _edges_light(eidx, lidx, valid, enc_w, llm, m):

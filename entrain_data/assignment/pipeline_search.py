@@ -1,0 +1,282 @@
+"""Refinement of the level-2 sets against a simulated 1F1B pipeline (a proxy of the plan's).
+
+Balanced microbatch sums are the means, not the goal: what training pays is the
+1F1B iteration time. With whole samples some microbatches must stay heavy (a
+600-dpi scan can carry three mean microbatches of encoder work), and where
+they sit decides whether the pipeline absorbs them. On an encoder stage the
+forward comes from E_j but the backward from L_j (split backward), so one heavy
+sample loads its encoder stages twice, at its encoder and at its LLM
+microbatch; 1F1B lets a stage run only a few microbatches ahead of the next, so
+the LLM stage stalls unless its own work around those points is heavy enough
+to cover them. Sums cannot express that; a simulation can.
+
+``assign`` sees per-module costs, not the plan's stage layout, so the
+simulation runs on a proxy pipeline built from those costs the way the static
+planner builds layouts: ``_PROXY_STAGES`` stages, the encoders in front
+(their chain of columns cut into equal contiguous shares), the LLM behind,
+the split between them the one whose busiest stage is lightest; a module's
+cost is one third forward, two thirds backward (a trainable module).
+
+The search itself is a seeded local search over whole-sample moves, all
+replicas at once: each round draws ``_CANDIDATES`` moves per replica (a
+sample's LLM microbatch later or earlier, its encoder microbatch earlier or
+later, or two samples exchanging their (E, L) slots), drops the ones that break
+``L >= E``, the token cap or the deferral budget, simulates the rest in one
+vectorised pass and keeps the best if it shortens the replica's proxy
+iteration. The proxy time of a replica therefore never grows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..simulator import simulate_pipeline
+
+__all__ = ["proxy_stage_shares", "refine_by_pipeline"]
+
+_PROXY_STAGES = 4
+_FWD_SHARE = 1.0 / 3.0  # forward share of a trainable module's forward + backward cost
+_CANDIDATES = 32  # moves tried per replica and round
+_ROUNDS = 64
+_CV_SLACK = 0.04  # an encoder column's per-microbatch CV may grow by this share in the search
+_LLM_CV_SLACK = 0.10  # the LLM's (the L sets')
+_CV_FLOOR = 0.002  # ... plus this much (so near-perfect sets still have room)
+
+
+def proxy_stage_shares(module_totals: np.ndarray, stages: int = _PROXY_STAGES) -> np.ndarray:
+    """[S, K] share of module k's work held by stage s; the last column is the LLM.
+
+    The encoders (columns 0..K-2, in order) fill the first stages as one chain
+    cut into equal contiguous pieces, the LLM the rest in equal pieces; the
+    number of encoder stages is the one whose busiest stage is lightest. No
+    encoder work: every stage holds an equal share of the LLM.
+    """
+    tot = np.asarray(module_totals, dtype=np.float64)
+    k = len(tot)
+    enc_total, llm_total = float(tot[:-1].sum()), float(tot[-1])
+    shares = np.zeros((stages, k))
+    if enc_total <= 0 or stages < 2:
+        shares[:, -1] = 1.0 / stages
+        if stages == 1:
+            shares[0, :-1] = 1.0
+        return shares
+    if llm_total <= 0:
+        s_enc = stages
+    else:
+        s_enc = min(range(1, stages), key=lambda s: max(enc_total / s, llm_total / (stages - s)))
+    cum = np.concatenate([[0.0], np.cumsum(tot[:-1])])  # module boundaries on the chain
+    for s in range(s_enc):
+        lo, hi = enc_total * s / s_enc, enc_total * (s + 1) / s_enc
+        overlap = np.clip(np.minimum(cum[1:], hi) - np.maximum(cum[:-1], lo), 0.0, None)
+        shares[s, :-1] = np.where(tot[:-1] > 0, overlap / np.where(tot[:-1] > 0, tot[:-1], 1), 0)
+    if s_enc < stages:
+        shares[s_enc:, -1] = 1.0 / (stages - s_enc)
+    return shares
+
+
+def _per_stage(enc_cols, llm, valid):
+    """Per-sample proxy stage costs [R, n, S]: encoder forward (with E), forward and
+    backward that run with L (LLM forward; encoder and LLM backward)."""
+    totals = np.concatenate(
+        [np.where(valid[..., None], enc_cols, 0.0).sum(axis=(0, 1)), [llm[valid].sum()]]
+    )
+    sh = proxy_stage_shares(totals)  # [S, K]
+    e_stage = enc_cols @ sh[:, :-1].T  # [R, n, S]
+    l_stage = llm[..., None] * sh[None, None, :, -1]
+    zero = ~valid[..., None]
+    ef = np.where(zero, 0.0, _FWD_SHARE * e_stage)
+    lf = np.where(zero, 0.0, _FWD_SHARE * l_stage)
+    lb = np.where(zero, 0.0, (1 - _FWD_SHARE) * (e_stage + l_stage))
+    return ef, lf, lb
+
+
+def _loads(idx, per_sample, valid, m):
+    """[R, M, S] sums of per-sample [R, n, S] over the members of each microbatch."""
+    r_count, n, s = per_sample.shape
+    out = np.zeros((r_count, m, s))
+    rr = np.broadcast_to(np.arange(r_count)[:, None], idx.shape)
+    np.add.at(out, (rr[valid], idx[valid]), per_sample[valid])
+    return out
+
+
+def _span(first, end, jj):
+    """[..., M] mask of the boundaries first <= j < end (a sample waits across them)."""
+    return (jj >= first[..., None]) & (jj < end[..., None])
+
+
+def _replica_times(fwd, bwd):
+    shape = fwd.shape[:-2]
+    m, s = fwd.shape[-2:]
+    # incremental updates leave rounding residue around zero: clip it
+    f = np.maximum(fwd.reshape(-1, m, s), 0.0)
+    res = simulate_pipeline(f, np.maximum(bwd.reshape(-1, m, s), 0.0))
+    return res.replica_times.reshape(shape)
+
+
+def _apply(eidx, lidx, g, bk, a, b, moved_b, na_e, na_l, nb_e, nb_l) -> None:
+    """Commit candidate ``bk[i]`` of replica ``g[i]`` to the slot arrays."""
+    ai, bi = a[g, bk], b[g, bk]
+    mb = moved_b[g, bk]
+    eidx[g, ai], lidx[g, ai] = na_e[g, bk], na_l[g, bk]
+    eidx[g[mb], bi[mb]], lidx[g[mb], bi[mb]] = nb_e[g, bk][mb], nb_l[g, bk][mb]
+
+
+def refine_by_pipeline(
+    eidx: np.ndarray,
+    lidx: np.ndarray,
+    valid: np.ndarray,
+    has_enc: np.ndarray,
+    enc_cols: np.ndarray,
+    llm: np.ndarray,
+    tok: np.ndarray,
+    m: int,
+    cap: int | None,
+    budget: int | None,
+    rng: np.random.Generator,
+    rounds: int = _ROUNDS,
+    candidates: int = _CANDIDATES,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Improved ([R, n] E microbatch, [R, n] L microbatch) under every invariant.
+
+    The objective is the proxy pipeline's iteration time per replica, under the
+    limit on every module's per-microbatch CV. Inputs must already
+    satisfy the invariants (L >= E, E == L for samples without encoder work, the
+    cap and the budget); so do the outputs.
+    """
+    r_count, n = llm.shape
+    if m < 2 or n == 0 or rounds <= 0:
+        return eidx, lidx
+    eidx, lidx = eidx.copy(), lidx.copy()
+    ef, lf, lb = _per_stage(enc_cols, llm, valid)
+    fwd = _loads(eidx, ef, valid, m) + _loads(lidx, lf, valid, m)
+    bwd = _loads(lidx, lb, valid, m)
+    cur = _replica_times(fwd, bwd)  # [R]
+    big = np.iinfo(np.int64).max // 4
+    cap_v = big if cap is None else cap
+    bud_v = big if budget is None else budget
+    rows = np.arange(r_count)
+    jj = np.arange(m)
+    rr = np.broadcast_to(np.arange(r_count)[:, None], (r_count, n))
+    t_load = np.zeros((r_count, m), dtype=np.int64)
+    np.add.at(t_load, (rr[valid], lidx[valid]), tok[valid])
+    wait_tok = np.where(valid & has_enc, tok, 0)
+    waiting = np.zeros((r_count, m), dtype=np.int64)  # tokens buffered after boundary j
+    for j in range(m):
+        waiting[:, j] = np.where((eidx <= j) & (lidx > j), wait_tok, 0).sum(axis=1)
+    n_valid = valid.sum(axis=1)
+    k_count = candidates
+    rk = np.broadcast_to(rows[:, None], (r_count, k_count))
+    order = np.argsort(~valid, axis=1, kind="stable")  # valid members first
+    # per-microbatch module loads (each encoder column from E, the LLM from L) and the
+    # sum of squares each may reach: CV <= (1 + _CV_SLACK) * its start + _CV_FLOOR
+    mod_e = np.where(valid[..., None], enc_cols, 0.0)
+    mod = np.concatenate(
+        [
+            _loads(eidx, mod_e, valid, m),
+            _loads(lidx, np.where(valid, llm, 0.0)[..., None], valid, m),
+        ],
+        axis=2,
+    )
+    mean = mod.mean(axis=1)  # [R, K]
+    cv0 = np.where(mean > 0, mod.std(axis=1) / np.where(mean > 0, mean, 1.0), 0.0)
+    slack = np.full(mod.shape[2], _CV_SLACK)
+    slack[-1] = _LLM_CV_SLACK
+    cv_lim = cv0 * (1 + slack) + _CV_FLOOR
+    ss_lim = m * mean**2 * (1 + cv_lim**2) * (1 + 1e-12)
+    for _ in range(rounds):
+        # two samples per candidate (the second only moves in a swap)
+        a = (rng.random((r_count, k_count)) * n_valid[:, None]).astype(np.int64)
+        b = (rng.random((r_count, k_count)) * n_valid[:, None]).astype(np.int64)
+        a = order[rows[:, None], a]
+        b = order[rows[:, None], b]
+        kind = rng.integers(0, 3, (r_count, k_count))  # 0: move L, 1: move E, 2: swap
+        u = rng.random((r_count, k_count))
+        ea, la = eidx[rk, a], lidx[rk, a]
+        eb_, lb_ = eidx[rk, b], lidx[rk, b]
+        enc_a = has_enc[rk, a]
+        # new slots of a
+        new_l = np.where(enc_a, ea + (u * (m - ea)).astype(np.int64), (u * m).astype(np.int64))
+        new_e_move = np.where(enc_a, (u * (la + 1)).astype(np.int64), new_l)
+        na_e = np.select([kind == 0, kind == 1], [np.where(enc_a, ea, new_l), new_e_move], eb_)
+        na_l = np.select([kind == 0, kind == 1], [new_l, np.where(enc_a, la, new_e_move)], lb_)
+        swap = kind == 2
+        nb_e = np.where(swap, ea, eb_)
+        nb_l = np.where(swap, la, lb_)
+        # samples without encoder work are never buffered: their E is their L
+        na_e = np.where(enc_a, na_e, na_l)
+        nb_e = np.where(has_enc[rk, b], nb_e, nb_l)
+        moved_b = swap & (a != b)
+        changed = (na_e != ea) | (na_l != la)
+        # token cap on the L sets
+        ta, tb = tok[rk, a], tok[rk, b]
+        t_new = np.broadcast_to(t_load[:, None, :], (r_count, k_count, m)).copy()
+        rk3 = rk.ravel()
+        kk = np.broadcast_to(np.arange(k_count)[None, :], (r_count, k_count)).ravel()
+        for idx_l, sign, w, on in (
+            (la, -1, ta, changed),
+            (na_l, 1, ta, changed),
+            (lb_, -1, tb, moved_b),
+            (nb_l, 1, tb, moved_b),
+        ):
+            np.add.at(t_new, (rk3, kk, idx_l.ravel()), (sign * w * on).ravel())
+        ok = changed & (t_new <= cap_v).all(axis=2)
+        # deferral budget on the buffer after every boundary
+        if budget is not None:
+            wa, wb = wait_tok[rk, a], wait_tok[rk, b]
+            w_new = (
+                waiting[:, None, :]
+                - (_span(ea, la, jj) * (wa * changed)[..., None])
+                + (_span(na_e, na_l, jj) * (wa * changed)[..., None])
+                - (_span(eb_, lb_, jj) * (wb * moved_b)[..., None])
+                + (_span(nb_e, nb_l, jj) * (wb * moved_b)[..., None])
+            )
+            ok &= (w_new <= bud_v).all(axis=2)
+        # the sets stay balanced: no module's per-microbatch CV may grow past its limit
+        cm = np.broadcast_to(mod[:, None], (r_count, k_count, m, mod.shape[2])).copy()
+        for s_idx, old_e, old_l, new_e, new_l2, on in (
+            (a, ea, la, na_e, na_l, ok),
+            (b, eb_, lb_, nb_e, nb_l, ok & moved_b),
+        ):
+            w = on[..., None].astype(np.float64)
+            e_c = np.concatenate([mod_e[rk, s_idx], np.zeros((r_count, k_count, 1))], 2) * w
+            l_c = np.concatenate([np.zeros_like(mod_e[rk, s_idx]), llm[rk, s_idx][..., None]], 2)
+            l_c = l_c * w
+            for idx_, val in ((old_e, -e_c), (new_e, e_c), (old_l, -l_c), (new_l2, l_c)):
+                np.add.at(cm, (rk3, kk, idx_.ravel()), val.reshape(-1, val.shape[-1]))
+        ss = (cm * cm).sum(axis=2)  # [R, K, modules]
+        ok &= (ss <= ss_lim[:, None, :]).all(axis=2)
+        if not ok.any():
+            continue
+        # candidate stage times: the current ones plus the moved samples' deltas
+        cf = np.broadcast_to(fwd[:, None], (r_count, k_count, m, fwd.shape[2])).copy()
+        cb = np.broadcast_to(bwd[:, None], cf.shape).copy()
+        for s_idx, old_e, old_l, new_e, new_l2, on in (
+            (a, ea, la, na_e, na_l, ok),
+            (b, eb_, lb_, nb_e, nb_l, ok & moved_b),
+        ):
+            w = on[..., None].astype(np.float64)
+            e_c, f_c, b_c = ef[rk, s_idx] * w, lf[rk, s_idx] * w, lb[rk, s_idx] * w
+            for idx_, val, arr in (
+                (old_e, -e_c, cf),
+                (new_e, e_c, cf),
+                (old_l, -f_c, cf),
+                (new_l2, f_c, cf),
+                (old_l, -b_c, cb),
+                (new_l2, b_c, cb),
+            ):
+                np.add.at(arr, (rk3, kk, idx_.ravel()), val.reshape(-1, val.shape[-1]))
+        t = np.where(ok, _replica_times(cf, cb), np.inf)
+        best = np.argmin(t, axis=1)
+        gain = t[rows, best] < cur * (1 - 1e-9)
+        if not gain.any():
+            continue
+        g = rows[gain]
+        bk = best[gain]
+        _apply(eidx, lidx, g, bk, a, b, moved_b, na_e, na_l, nb_e, nb_l)
+        fwd[g], bwd[g] = cf[g, bk], cb[g, bk]
+        mod[g] = cm[g, bk]
+        t_load[g] = t_new[g, bk]
+        if budget is not None:
+            waiting[g] = w_new[g, bk]
+        cur[g] = t[g, bk]
+    return eidx, lidx
