@@ -167,7 +167,7 @@ def print_table(r) -> None:
             f"{v['vs_sequential_cv_encoder']:6.2f} {v['vs_sequential_cv_llm']:6.2f} {scv:>22s} "
             f"{v['iteration_time']:8.3f} {v['ratio_to_ideal']:8.4f} "
             f"{v['speedup_vs_sequential']:6.3f} {v['speedup_vs_best_peer']:7.4f} "
-            f"{v['assign_ms_median']:6.1f}"
+            f"{v['assign_ms_median']:6.1f} {v['carried_at_end']:7d}"
         )
 
 

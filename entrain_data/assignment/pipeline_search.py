@@ -38,6 +38,7 @@ _PROXY_STAGES = 4
 _FWD_SHARE = 1.0 / 3.0  # forward share of a trainable module's forward + backward cost
 _CANDIDATES = 32  # moves tried per replica and round
 _ROUNDS = 64
+_CANDIDATE_BUDGET = 128  # replicas x candidates simulated per round, at most
 _CV_SLACK = 0.04  # an encoder column's per-microbatch CV may grow by this share in the search
 _LLM_CV_SLACK = 0.10  # the LLM's (the L sets')
 _CV_FLOOR = 0.002  # ... plus this much (so near-perfect sets still have room)
@@ -164,7 +165,8 @@ def refine_by_pipeline(
     for j in range(m):
         waiting[:, j] = np.where((eidx <= j) & (lidx > j), wait_tok, 0).sum(axis=1)
     n_valid = valid.sum(axis=1)
-    k_count = candidates
+    # the cost of a round grows with replicas x candidates: cap their product
+    k_count = max(2, min(candidates, _CANDIDATE_BUDGET // r_count))
     rk = np.broadcast_to(rows[:, None], (r_count, k_count))
     order = np.argsort(~valid, axis=1, kind="stable")  # valid members first
     # per-microbatch module loads (each encoder column from E, the LLM from L) and the
