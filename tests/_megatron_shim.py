@@ -62,3 +62,34 @@ def install_cpu_shim() -> None:
     torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
     # no CUDA RNG to fork: Megatron's own no-op tracker (dropout is 0 in the tests)
     mcore_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+def _gloo_subgroups(*args: Any, backend: Any = None, **kw: Any) -> Any:
+    import torch.distributed as dist
+
+    return dist.new_subgroups_by_enumeration(
+        *args, backend=None if backend == "nccl" else backend, **kw
+    )
+
+
+def install_multimodule_cpu_shim() -> None:
+    """:func:`install_cpu_shim`, plus the two CUDA-only spots of 0.16.1's ``BridgeCommunicator``
+    (the encoder -> LLM bridge of the multi-module communicator), in this process only:
+
+    - ``torch.cuda.current_device()`` as the device of every buffer it allocates;
+    - ``backend='nccl'`` hard-coded for its leader-broadcast groups
+      (bridge_communicator.py:114, :123): those groups use the default (gloo) backend.
+
+    Point-to-point sends, broadcasts and shapes are Megatron's own, unchanged.
+    """
+    install_cpu_shim()
+    if torch.cuda.is_available():
+        return
+    import torch.distributed as dist
+    from megatron.core.pipeline_parallel import bridge_communicator
+
+    bridge_communicator.torch = _cpu_torch()
+    bridge_communicator.dist = _ModuleProxy(dist, new_subgroups_by_enumeration=_gloo_subgroups)
+
+
+__all__ += ["install_multimodule_cpu_shim"]
