@@ -100,7 +100,11 @@ def test_ddp_and_fsdp2_balanced_equal_unbalanced(tmp_path: Path) -> None:
         for it, b in enumerate(batches)
         for rep in replica_microbatches(b, it, 2, MICROBATCHES)
     ]
-    assert all(deferred[2:]), f"scenario must defer on every replica: {deferred}"
+    per_replica = [deferred[r::2] for r in range(2)]
+    both = [all(deferred[2 * it : 2 * it + 2]) for it in range(STEPS)]
+    assert all(any(d) for d in per_replica) and any(both), (
+        f"scenario must defer on every replica, and on both in one step: {deferred}"
+    )
     out = tmp_path / "dp.pt"
     runs = [("ddp", "token"), ("ddp", "sample"), ("fsdp2", "token")]
     run_ranks(_dp_rank, runs, str(out), timeout=130)
