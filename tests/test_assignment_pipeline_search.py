@@ -136,3 +136,23 @@ def test_search_shortens_the_simulated_iteration_on_a_heavy_tail():
         return simulate_pipeline(f, bw).iteration_time
 
     assert sim(a) < sim(plain)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    dp=st.integers(1, 4),
+    m=st.integers(2, 8),
+    extra=st.integers(0, 3),
+)
+def test_search_never_empties_an_llm_set(seed, dp, m, extra):
+    """With as few samples as microbatches allow (the search's easiest way to win is to move a
+    microbatch's only sample away), every L set of entrain's answer still holds a sample."""
+    rng = np.random.default_rng(seed)
+    n = dp * m + extra
+    tok = rng.integers(1, 2000, n)
+    enc = rng.lognormal(0, 1.5, (n, 2)) * (rng.random((n, 2)) < 0.6)
+    llm = tok * 1e-3 + (tok / 1000.0) ** 2
+    a = assign(enc, llm, tok, dp=dp, microbatches=m, seed=seed)
+    check_assignment(a, n, tok, None, None)
+    assert all(len(a.llm_sets[r][j]) for r in range(dp) for j in range(m))

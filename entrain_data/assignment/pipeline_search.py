@@ -23,7 +23,13 @@ sample's LLM microbatch later or earlier, its encoder microbatch earlier or
 later, or two samples exchanging their (E, L) slots), drops the ones that break
 ``L >= E``, the token cap or the deferral budget, simulates the rest in one
 vectorised pass and keeps the best if it shortens the replica's proxy
-iteration. The proxy time of a replica therefore never grows.
+iteration. The proxy time of a replica therefore never grows, and no move may
+leave an LLM set empty.
+
+Limit: the proxy treats every encoder as trainable. With a frozen encoder
+there is no encoder backward to place, so the gain the search buys with its
+CV allowance may not exist on the real pipeline; ``assign`` does not receive
+the trainability today (it would need a new, optional argument).
 """
 
 from __future__ import annotations
@@ -160,6 +166,8 @@ def refine_by_pipeline(
     rr = np.broadcast_to(np.arange(r_count)[:, None], (r_count, n))
     t_load = np.zeros((r_count, m), dtype=np.int64)
     np.add.at(t_load, (rr[valid], lidx[valid]), tok[valid])
+    l_count = np.zeros((r_count, m), dtype=np.int64)  # members of every L set
+    np.add.at(l_count, (rr[valid], lidx[valid]), 1)
     wait_tok = np.where(valid & has_enc, tok, 0)
     waiting = np.zeros((r_count, m), dtype=np.int64)  # tokens buffered after boundary j
     for j in range(m):
@@ -222,6 +230,16 @@ def refine_by_pipeline(
         ):
             np.add.at(t_new, (rk3, kk, idx_l.ravel()), (sign * w * on).ravel())
         ok = changed & (t_new <= cap_v).all(axis=2)
+        # no L set may become empty: a microbatch without LLM work has nothing to train
+        c_new = np.broadcast_to(l_count[:, None, :], (r_count, k_count, m)).copy()
+        for idx_l, sign, on in (
+            (la, -1, changed),
+            (na_l, 1, changed),
+            (lb_, -1, moved_b),
+            (nb_l, 1, moved_b),
+        ):
+            np.add.at(c_new, (rk3, kk, idx_l.ravel()), (sign * on).ravel().astype(np.int64))
+        ok &= (c_new >= np.minimum(l_count, 1)[:, None, :]).all(axis=2)
         # deferral budget on the buffer after every boundary
         if budget is not None:
             wa, wb = wait_tok[rk, a], wait_tok[rk, b]
@@ -278,6 +296,7 @@ def refine_by_pipeline(
         fwd[g], bwd[g] = cf[g, bk], cb[g, bk]
         mod[g] = cm[g, bk]
         t_load[g] = t_new[g, bk]
+        l_count[g] = c_new[g, bk]
         if budget is not None:
             waiting[g] = w_new[g, bk]
         cur[g] = t[g, bk]
