@@ -154,9 +154,11 @@ class EncoderOutputBuffer:
         call (:meth:`consumer`): their backward still runs exactly once, with that
         consumer's. Without it every deferred sample is encoded on its own.
         """
-        for mb in microbatches:
-            for key in mb.deferred_in:
-                self._consumer[(mb.iteration, key)] = mb.microbatch
+        # replaces, not merges: only the iteration being run matters, and a step that
+        # failed half-way must not leave its announcements to a later one
+        self._consumer = {
+            (mb.iteration, key): mb.microbatch for mb in microbatches for key in mb.deferred_in
+        }
 
     def consumer(self, key: str, iteration: int) -> int | None:
         """The microbatch that will consume deferred ``key`` (None: not announced by :meth:`expect`)."""

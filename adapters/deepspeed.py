@@ -246,6 +246,14 @@ def train_step(
             "(DeepSpeed 0.19.8 has it): per-microbatch ZeRO reduction follows each rank's "
             "hook order, which balanced microbatches make differ between ranks"
         )
+    if coalesce and not hasattr(engine.optimizer, "_coalesce_grad_reduction"):
+        # runtime/engine.py:3262: BF16_Optimizer / FP16_Optimizer wrappers (e.g. bf16 with
+        # ZeRO-1 and an fp32 grad_accum_dtype) bypass the hooks the coalesced flush needs
+        raise InvalidInput(
+            "deepspeed train_step: the engine's optimizer wrapper "
+            f"{type(engine.optimizer).__name__} cannot coalesce the ZeRO gradient reduction; "
+            "use ZeRO stage 2, or a config whose optimizer is DeepSpeedZeroOptimizer"
+        )
     buffer = buffer if buffer is not None else EncoderOutputBuffer()
     buffer.expect(microbatches)  # deferred samples bound for one microbatch share an encoder call
     group = _dp_group(engine)
@@ -253,19 +261,23 @@ def train_step(
     count = global_loss_count(microbatches, mode, group, engine.device)
     scale = loss_scale(count, dp=dp, accumulation=gas)
     total = torch.zeros((), dtype=torch.float64)
-    with engine.coalesce_grad_reduction() if coalesce else contextlib.nullcontext():
-        for mb in microbatches:
-            mb = mb.to(engine.device)
-            if forward is None:
-                loss_sum, _ = engine(mb, buffer, mode=mode)
-            else:
-                loss_sum, _ = forward(engine, mb, buffer)
-            engine.backward(loss_sum * scale)  # DeepSpeed divides by gas: scale has it
-            if not coalesce:
-                engine.step()  # ZeRO-0: reduces and updates at the boundary microbatch
-            total += loss_sum.detach().double().cpu()
-        if coalesce:
-            _zero_fill_missing_grads(engine.optimizer)
+    try:
+        with engine.coalesce_grad_reduction() if coalesce else contextlib.nullcontext():
+            for mb in microbatches:
+                mb = mb.to(engine.device)
+                if forward is None:
+                    loss_sum, _ = engine(mb, buffer, mode=mode)
+                else:
+                    loss_sum, _ = forward(engine, mb, buffer)
+                engine.backward(loss_sum * scale)  # DeepSpeed divides by gas: scale has it
+                if not coalesce:
+                    engine.step()  # ZeRO-0: reduces and updates at the boundary microbatch
+                total += loss_sum.detach().double().cpu()
+            if coalesce:
+                _zero_fill_missing_grads(engine.optimizer)
+    except BaseException:
+        buffer.clear()  # a failed step's outputs (and their graphs) must not reach the next
+        raise
     buffer.check_drained(microbatches[0].iteration)
     if coalesce:
         # The flush restores the boundary flag it found on entry (runtime/engine.py:3298) and
@@ -372,8 +384,14 @@ class PipelineFeeder:
         count = global_loss_count(microbatches, self.mode, group)
         self.scale = loss_scale(count, dp=dp, accumulation=gas)
         self.current = [mb.to(engine.device) for mb in microbatches]
+        self.buffer.expect(self.current)  # deferred samples bound for one microbatch: one call
         self.loss_sum.zero_()
-        engine.train_batch(data_iter=self._data(self.current))
+        try:
+            engine.train_batch(data_iter=self._data(self.current))
+        except BaseException:
+            self.buffer.clear()
+            self.current = []
+            raise
         if engine.is_first_stage():
             self.buffer.check_drained(microbatches[0].iteration)
         self.current = []

@@ -140,13 +140,17 @@ def accumulate_gradients(
     scale = loss_scale(count, dp=dp)
     total = torch.zeros((), dtype=torch.float64, device=device)
     tokens = 0
-    for j, mb in enumerate(microbatches):
-        last = j == len(microbatches) - 1
-        with _sync_context(model, last):
-            loss_sum, _ = forward(model, mb.to(device), buffer)
-            (loss_sum * scale).backward()
-        total += loss_sum.detach().double()
-        tokens += mb.num_tokens
+    try:
+        for j, mb in enumerate(microbatches):
+            last = j == len(microbatches) - 1
+            with _sync_context(model, last):
+                loss_sum, _ = forward(model, mb.to(device), buffer)
+                (loss_sum * scale).backward()
+            total += loss_sum.detach().double()
+            tokens += mb.num_tokens
+    except BaseException:
+        buffer.clear()  # a failed step's outputs (and their graphs) must not reach the next
+        raise
     buffer.check_drained(microbatches[0].iteration)
     if on and dp > 1:
         dist.all_reduce(total, group=dp_group)

@@ -267,7 +267,7 @@ class ParallelPlan:
         enc = np.asarray(encoder_cost, dtype=np.float64)
         enc = enc[:, None] if enc.ndim == 1 else enc
         groups = self.encoder_groups()
-        if not groups or max(i for g in groups for i in g) >= enc.shape[1]:
+        if not groups or sum(len(g) for g in groups) != enc.shape[1]:
             raise InvalidInput(
                 f"plan: stages name encoder columns {groups}, but the costs have {enc.shape[1]}"
             )

@@ -137,6 +137,7 @@ def _ds_rank(rank: int, world: int, out: str) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     zero2, zero2_order = _zero(rank, world, 2)
     results = {
+        "zero0": _zero(rank, world, 0)[0],
         "zero1": _zero(rank, world, 1)[0],
         "zero2": zero2,
         "zero2-order": zero2_order,
@@ -156,9 +157,9 @@ def ds_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("run", ["zero1", "zero2-gas1"])
+@pytest.mark.parametrize("run", ["zero0", "zero1", "zero2-gas1"])
 def test_zero_balanced_equals_unbalanced(ds_results: list[dict], run: str) -> None:
-    """ZeRO-1 with 3 variable-size microbatches per replica (deferral, accumulation);
+    """ZeRO-0 and ZeRO-1 with 3 variable-size microbatches per replica (deferral, accumulation);
     ZeRO-2 with one microbatch per replica (replicas of different sizes)."""
     want = reference_params(global_batches(STEPS))
     for rank in range(2):

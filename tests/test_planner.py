@@ -228,3 +228,37 @@ def test_gpipe_keeps_every_microbatch_in_flight(plan, spec):
 def test_rank_coords_unpack_as_a_tuple(plan):
     replica, stage, tp_rank = plan.rank_coords(plan.world_size - 1)
     assert (replica, stage, tp_rank) == (plan.dp - 1, plan.pp - 1, plan.tp - 1)
+
+
+def _stage_plan(stages: list[list[tuple[str, int | None]]]) -> ParallelPlan:
+    from entrain_data.plan import StagePlan, StageSegment
+
+    sp = tuple(
+        StagePlan(i, tuple(StageSegment(name, e, 0, 1, True, True) for name, e in segs))
+        for i, segs in enumerate(stages)
+    )
+    return ParallelPlan(
+        world_size=len(sp), gpus_per_node=8, dp=1, tp=1, pp=len(sp), stages=sp,
+        microbatches=4, global_batch=8, max_tokens=4096, defer_budget=4096,
+    )  # fmt: skip
+
+
+def test_encoder_groups_follow_shared_stages() -> None:
+    """Encoders on one stage are balanced as one column (their sum); apart, one column each."""
+    enc = np.array([[1.0, 10.0, 100.0], [2.0, 20.0, 200.0]])
+    one_stage = _stage_plan([[("vit", 0), ("whisper", 1), ("video", 2), ("llm", None)]])
+    assert one_stage.encoder_groups() == [[0, 1, 2]]
+    np.testing.assert_allclose(one_stage.stage_encoder_cost(enc), [[111.0], [222.0]])
+    apart = _stage_plan([[("vit", 0)], [("whisper", 1), ("llm", None)], [("video", 2)]])
+    assert apart.encoder_groups() == [[0], [1], [2]]
+    np.testing.assert_allclose(apart.stage_encoder_cost(enc), enc)
+    chained = _stage_plan([[("vit", 0), ("whisper", 1)], [("whisper", 1), ("video", 2)]])
+    assert chained.encoder_groups() == [[0, 1, 2]]  # a shared stage links the chain
+    mixed = _stage_plan([[("vit", 0)], [("video", 2), ("llm", None)], [("whisper", 1)]])
+    assert mixed.encoder_groups() == [[0], [1], [2]]
+    text_only = _stage_plan([[("llm", None)]])
+    assert text_only.encoder_groups() == []
+    with pytest.raises(InvalidInput, match="costs have 2"):
+        one_stage.stage_encoder_cost(enc[:, :2])
+    with pytest.raises(InvalidInput, match="costs have 4"):
+        one_stage.stage_encoder_cost(np.ones((2, 4)))
