@@ -172,3 +172,32 @@ def test_curve_client_without_the_key_is_rejected(tmp_path, dataset):
         close_all(keyed)
     finally:
         svc.close()
+
+
+def test_script_without_main_guard_fails_clearly_and_leaves_no_ipc_dir(tmp_path, dataset):
+    """spawn re-imports a script without ``if __name__ == "__main__":`` in the service process,
+    which then fails to start its own service: the user sees the error, and neither process
+    leaves an ``entrain-*`` ipc directory behind."""
+    import subprocess
+    import sys
+
+    plan = make_plan().save(tmp_path / "plan.json")
+    script = tmp_path / "no_guard.py"
+    script.write_text(
+        "from entrain_data.client import EntrainLoader\n"
+        f"with EntrainLoader.local(rank=0, index={str(dataset)!r}, plan={str(plan)!r},\n"
+        "                         workers=1, timeout=30) as loader:\n"
+        "    next(iter(loader))\n"
+    )
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env={**os.environ, "TMPDIR": str(tmp)},
+    )
+    assert proc.returncode != 0
+    assert "__main__" in proc.stderr  # multiprocessing's own explanation reaches the user
+    assert list(tmp.glob("entrain-*")) == []

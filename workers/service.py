@@ -223,5 +223,11 @@ def start_service(**options: Any) -> ServiceHandle:
     cfg = make_config(**options)
     ctx = mp.get_context("spawn")
     p = ctx.Process(target=_coordinator_main, args=(cfg,), name="entrain-coordinator")
-    p.start()
+    try:
+        p.start()
+    except BaseException:
+        # e.g. spawn refusing a script without ``if __name__ == "__main__":``: the
+        # ipc directory make_config created would otherwise stay behind
+        _remove_ipc(cfg)
+        raise
     return ServiceHandle(cfg, p)
