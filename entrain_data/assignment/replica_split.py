@@ -85,6 +85,8 @@ def _refine_replicas(members: np.ndarray, loads: np.ndarray, wp: np.ndarray, ite
         new_a = (loads[a] - delta - mean) / scale
         new_b = (loads[b] + delta - mean) / scale
         new_obj = np.maximum(np.abs(new_a).max(axis=2), np.abs(new_b).max(axis=2))
+        # a sample for a pad would move a sample between replicas: counts must stay within one
+        new_obj[(ia >= 0)[:, None] != (ib >= 0)[None, :]] = np.inf
         best = int(np.argmin(new_obj))
         x, y = divmod(best, len(cols))
         if new_obj[x, y] >= max(obj[a], obj[b]) - 1e-12:
