@@ -53,9 +53,9 @@ def demo_model_spec() -> ModelSpec:
     vision = ModuleConfig(
         name="demo-vision",
         kind="vision",
-        hidden=32,
+        hidden=96,
         layers=2,
-        ffn=64,
+        ffn=192,
         heads=2,
         kv_heads=2,
         patch_size=16,
