@@ -20,6 +20,7 @@ Everything it starts (service, workers, ranks) is stopped before it returns.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -202,6 +203,30 @@ def _rank_main(rank: int, port: int, endpoint: str, out_path: str, seed: int, lr
         dist.destroy_process_group()
 
 
+# glibc malloc: keep freed memory in the heap instead of returning it to the OS. Every
+# iteration frees and reallocates the same activations; with the defaults each large
+# block comes back through fresh page faults, CPU time that lands in whichever forward
+# allocates first and swamps the tiny demo encoders' timings (the CPU analogue of
+# running PyTorch with jemalloc/tcmalloc). Settings the user made are kept.
+_MALLOC_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": str(4 << 30),
+    "MALLOC_TRIM_THRESHOLD_": str(16 << 30),
+    "MALLOC_TOP_PAD_": str(512 << 20),
+}
+
+
+@contextlib.contextmanager
+def _rank_allocator_env():
+    """Spawned rank processes start with :data:`_MALLOC_ENV`; this process's env is restored."""
+    added = {k: v for k, v in _MALLOC_ENV.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
+
+
 def _train(method: str, plan: ParallelPlan, index: Path, out: Path, args) -> list[dict]:
     """Serve ``plan`` with ``method`` and train on 2 ranks; returns each rank's records."""
     import torch.multiprocessing as mp
@@ -218,14 +243,15 @@ def _train(method: str, plan: ParallelPlan, index: Path, out: Path, args) -> lis
     try:
         port = _free_port()
         ctx = mp.get_context("spawn")
-        for r in range(RANKS):
-            p = ctx.Process(
-                target=_rank_main,
-                name=f"entrain-demo-rank{r}",
-                args=(r, port, service.endpoint, str(results[r]), args.seed, args.lr),
-            )
-            p.start()
-            procs.append(p)
+        with _rank_allocator_env():
+            for r in range(RANKS):
+                p = ctx.Process(
+                    target=_rank_main,
+                    name=f"entrain-demo-rank{r}",
+                    args=(r, port, service.endpoint, str(results[r]), args.seed, args.lr),
+                )
+                p.start()
+                procs.append(p)
         deadline = time.monotonic() + args.timeout
         for p in procs:
             p.join(max(1.0, deadline - time.monotonic()))
