@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,7 @@ __all__ = [
     "loss_scale",
     "EncoderOutputBuffer",
     "group_iterations",
+    "require_world",
 ]
 
 log = logging.getLogger(__name__)
@@ -111,6 +113,17 @@ def global_loss_count(
         dist.all_reduce(t, group=group)
         return int(t.item())
     return local
+
+
+def require_world(plan: Any, who: str) -> None:
+    """Refuse to lay out ``plan`` unless torch.distributed runs exactly ``plan.world_size`` ranks:
+    every adapter maps global ranks through ``plan.rank_coords``, which assumes that world."""
+    if not dist.is_initialized():
+        raise InvalidInput(f"{who}: torch.distributed is not initialised")
+    if dist.get_world_size() != plan.world_size:
+        raise InvalidInput(
+            f"{who}: plan.world_size={plan.world_size}, but {dist.get_world_size()} ranks run"
+        )
 
 
 def loss_scale(global_count: int, *, dp: int = 1, accumulation: int = 1) -> float:

@@ -58,7 +58,7 @@ from torch import nn
 from ..batch import Microbatch
 from ..errors import InvalidInput, PlanError
 from .common import EncoderOutputBuffer, global_loss_count, loss_scale, loss_sums
-from .reference_model import ReferenceMLLM, encode_into_buffer, packed_causal_mask
+from .reference_model import ReferenceMLLM, packed_causal_mask
 
 __all__ = [
     "avoid_cpu_op_builds",
@@ -307,9 +307,7 @@ class _InputLayer(nn.Module):
     def forward(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         model, feeder = self._model[0], self._feeder[0]
         mb = feeder.current[int(index)]
-        encoded = encode_into_buffer(model, mb, feeder.buffer)
-        x = model.embed(mb, encoded) + model.dummy_touch()
-        return x, mb["cu_seqlens"].long()
+        return model.embed_microbatch(mb, feeder.buffer), mb["cu_seqlens"].long()
 
 
 class _BlockLayer(nn.Module):

@@ -75,7 +75,7 @@ from torch import nn
 
 from ..batch import Microbatch
 from ..errors import InvalidInput, PlanError
-from .common import LOSS_MODES, EncoderOutputBuffer, loss_units
+from .common import LOSS_MODES, EncoderOutputBuffer, loss_units, require_world
 
 __all__ = [
     "MEGATRON_CORE_VERSION",
@@ -168,12 +168,7 @@ def initialize_from_plan(plan: Any, micro_batch_size: int = 1) -> None:
         init_num_microbatches_calculator,
     )
 
-    if not dist.is_initialized():
-        raise InvalidInput("initialize_from_plan: torch.distributed is not initialised")
-    if dist.get_world_size() != plan.world_size:
-        raise InvalidInput(
-            f"initialize_from_plan: plan.world_size={plan.world_size}, running {dist.get_world_size()}"
-        )
+    require_world(plan, "initialize_from_plan")
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=plan.tp, pipeline_model_parallel_size=plan.pp
     )
@@ -467,13 +462,7 @@ def module_grids_from_plan(
 
     layouts = module_layouts(plan, encoder_name=encoder_name, llm_name=llm_name)
     if create_groups:
-        if not dist.is_initialized():
-            raise InvalidInput("module_grids_from_plan: torch.distributed is not initialised")
-        if dist.get_world_size() != plan.world_size:
-            raise InvalidInput(
-                f"module_grids_from_plan: plan.world_size={plan.world_size}, "
-                f"running {dist.get_world_size()}"
-            )
+        require_world(plan, "module_grids_from_plan")
     grids = {}
     for name, lay in layouts.items():
         grid = HyperCommGrid(

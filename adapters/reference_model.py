@@ -261,13 +261,18 @@ class ReferenceMLLM(nn.Module):
         logits = self.lm_head(self.norm(hidden))
         return loss_sums(logits, mb["labels"], mb["cu_seqlens"], mode)
 
+    def embed_microbatch(self, mb: Microbatch, buffer: EncoderOutputBuffer) -> torch.Tensor:
+        """``[T, hidden]`` LLM input of ``mb``: its encoder set encoded (deferred outputs parked
+        in ``buffer``, earlier ones taken from it) and scattered into the token embeddings.
+        The first pipeline stage of every adapter runs exactly this."""
+        encoded = encode_into_buffer(self, mb, buffer)
+        return self.embed(mb, encoded) + self.dummy_touch()
+
     def forward(
         self, mb: Microbatch, buffer: EncoderOutputBuffer | None = None, mode: str = "token"
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Encode the encoder set, run the LLM on the LLM set; ``(loss_sum, loss_count)``."""
-        buffer = buffer if buffer is not None else EncoderOutputBuffer()
-        encoded = encode_into_buffer(self, mb, buffer)
-        x = self.embed(mb, encoded) + self.dummy_touch()
+        x = self.embed_microbatch(mb, buffer if buffer is not None else EncoderOutputBuffer())
         mask = Segments(torch.diff(mb["cu_seqlens"].long()).tolist(), causal=True)
         for layer in self.layers:
             x = layer(x, mask)

@@ -47,8 +47,14 @@ from torch import nn
 
 from ..batch import Microbatch
 from ..errors import InvalidInput, PlanError
-from .common import EncoderOutputBuffer, global_loss_count, loss_scale, loss_sums
-from .reference_model import ReferenceMLLM, Segments, encode_into_buffer
+from .common import (
+    EncoderOutputBuffer,
+    global_loss_count,
+    loss_scale,
+    loss_sums,
+    require_world,
+)
+from .reference_model import ReferenceMLLM, Segments
 
 __all__ = [
     "device_mesh_from_plan",
@@ -77,13 +83,7 @@ def device_mesh_from_plan(plan: Any, device_type: str = "cpu") -> Any:
     (tensor-parallel fastest, then data-parallel, then pipeline: Megatron's order)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    if not dist.is_initialized():
-        raise InvalidInput("device_mesh_from_plan: torch.distributed is not initialised")
-    if dist.get_world_size() != plan.world_size:
-        raise InvalidInput(
-            f"device_mesh_from_plan: plan.world_size={plan.world_size} but "
-            f"{dist.get_world_size()} ranks are running"
-        )
+    require_world(plan, "device_mesh_from_plan")
     return init_device_mesh(
         device_type, (plan.pp, plan.dp, plan.tp), mesh_dim_names=("pp", "dp", "tp")
     )
@@ -259,8 +259,7 @@ class ReferenceStage(nn.Module):
         if self.spec.first:
             (index,) = inputs
             mb = trainer.current[int(index)]
-            encoded = encode_into_buffer(model, mb, trainer.buffer)
-            x = model.embed(mb, encoded) + model.dummy_touch()
+            x = model.embed_microbatch(mb, trainer.buffer)
             lengths = torch.diff(mb["cu_seqlens"].long())
             segment = torch.repeat_interleave(torch.arange(len(lengths), device=x.device), lengths)
             length = trainer.length
