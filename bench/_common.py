@@ -22,6 +22,7 @@ SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 MODELS = {
     "vl-1b": (("qwen2.5-vl-vision",), "llama-3.2-1b"),
     "vla-3b": (("qwen2.5-vl-vision", "whisper-large-v3-encoder"), "llama-3.2-3b"),
+    "vl-1b-1280": (("qwen2.5-vl-vision-1280",), "llama-3.2-1b"),
 }
 
 

@@ -175,6 +175,22 @@ def test_wlb_llm_carries_outliers_to_the_next_iteration():
     check_assignment(a, 62, tokens)
 
 
+def test_wlb_llm_flush_releases_the_queue_and_other_methods_ignore_it():
+    """The last iteration of a run trains every queued outlier; flush changes nothing else."""
+    tokens = np.array([100] * 60 + [5000] * 2)
+    cost = tokens.astype(float)
+    a = assign(np.zeros(62), cost, tokens, dp=2, microbatches=4, method="wlb_llm", flush=True)
+    assert len(a.carried) == 0
+    check_assignment(a, 62, tokens)
+    # one outlier per microbatch while they last: the two never share a microbatch
+    rep, mb = a.llm_slots(62)
+    assert (rep[60], mb[60]) != (rep[61], mb[61])
+    for method in ("entrain", "verl_kk", "sequential"):
+        plain = assign(np.ones(62), cost, tokens, dp=2, microbatches=4, method=method)
+        flushed = assign(np.ones(62), cost, tokens, dp=2, microbatches=4, method=method, flush=True)
+        assert plain.to_dict() == flushed.to_dict()
+
+
 def test_megatron_dp_balanced_keeps_original_order():
     tokens = np.full(32, 10)
     a = assign(

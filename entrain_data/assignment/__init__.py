@@ -62,6 +62,7 @@ def assign(
     method: str = "entrain",
     seed: int = 0,
     iteration: int = 0,
+    flush: bool = False,
 ) -> Assignment:
     """Assign a global batch to ``dp`` replicas x ``microbatches`` encoder and LLM sets.
 
@@ -69,7 +70,9 @@ def assign(
     ``tokens`` [B]. ``max_tokens`` caps the LLM tokens of an LLM set (a sample
     above it is an error); ``defer_budget`` caps the LLM tokens of samples
     encoded but not yet consumed at any microbatch boundary. Deterministic for
-    (seed, iteration). Raises :class:`~entrain_data.errors.InvalidInput` (a
+    (seed, iteration). ``flush`` marks the last iteration of a run or epoch: a
+    method that carries work to the next iteration (``wlb_llm``) releases all
+    of it here; the other methods ignore it. Raises :class:`~entrain_data.errors.InvalidInput` (a
     ``ValueError``) naming the problem on bad input.
     """
     if method not in METHODS:
@@ -79,4 +82,6 @@ def assign(
     x = validate_inputs(encoder_cost, llm_cost, tokens, dp, microbatches, max_tokens, defer_budget)
     if method == "entrain":
         return assign_entrain(x, seed, iteration)
+    if method == "wlb_llm":
+        return assign_wlb_llm(x, flush=flush)
     return _BASELINES[method](x)

@@ -212,19 +212,23 @@ def _equal_count_lpt(cost: np.ndarray, k: int) -> np.ndarray:
     return split_replicas(cost[:, None], k, np.random.default_rng(0), swap_iters=0)
 
 
-def assign_wlb_llm(x: Inputs) -> Assignment:
+def assign_wlb_llm(x: Inputs, flush: bool = False) -> Assignment:
     """WLB-LLM (Wang et al., 2025, Algorithm 1) variable-length packing with outlier delay:
     samples whose workload exceeds half of a microbatch's mean workload go to an outlier queue;
     once the queue holds at least one per microbatch, that many (the oldest) are released into
     this iteration, the others wait (returned in ``carried``). The rest are placed largest first
     into the microbatch with the lowest workload that still fits the token cap. Workload:
     encoder + LLM cost. Adaptation: ``assign`` is stateless, so the queue is the batch's own
-    outliers; the caller prepends ``carried`` to the next batch (oldest first)."""
+    outliers; the caller prepends ``carried`` to the next batch (oldest first). ``flush``:
+    the run or epoch ends here, every queued outlier is released (one per microbatch while
+    they last, then the rest by the same lowest-workload rule)."""
     b, r_count, m = x.n, x.dp, x.microbatches
     bins = r_count * m
     work = x.enc.sum(axis=1) + x.llm
     out_idx = np.flatnonzero(work > 0.5 * work.sum() / bins)
-    if len(out_idx) >= bins:  # the queue releases one outlier per microbatch, oldest first
+    if flush:
+        carried = np.zeros(0, np.int64)
+    elif len(out_idx) >= bins:  # the queue releases one outlier per microbatch, oldest first
         carried = out_idx[bins:]
     elif b - len(out_idx) >= bins:  # too few to spread: all wait in the queue
         carried = out_idx

@@ -30,7 +30,11 @@ stays within a stated slack of the sets' own (4% encoders, 10% LLM).
 
 The levels live in modules of their own: :mod:`.replica_split` (level 1),
 :mod:`.encoder_sets` (E_j), :mod:`.llm_sets` (L_j) and :mod:`.pipeline_search`;
-this module builds the level-2 candidates, scores them and picks one per replica.
+this module builds the level-2 candidates, scores them and picks one per replica:
+among the candidates balanced within a stated share of the best (the sum of squared
+per-module CVs), the one with the shortest proxy 1F1B iteration
+(:func:`.pipeline_search.proxy_times`). Global batches from ``_ALL_CANDIDATES_BELOW``
+samples build one candidate and skip the pick.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import numpy as np
 from .common import Assignment, Inputs, rng_for
 from .encoder_sets import lpt_bins, order_by_llm, order_mountain, refine_bins, vector_bins
 from .llm_sets import ffd_joint, fits_cap, llm_sets_fill, llm_sets_lpt
-from .pipeline_search import refine_by_pipeline
+from .pipeline_search import proxy_times, refine_by_pipeline
 from .replica_split import norm_columns, split_replicas
 
 __all__ = ["assign_entrain", "split_replicas", "lpt_bins"]
@@ -48,6 +52,8 @@ __all__ = ["assign_entrain", "split_replicas", "lpt_bins"]
 _ALL_CANDIDATES_BELOW = 4096  # global batches this small try every level-2 candidate
 _SEARCH_BELOW = 4096  # global batches this small refine the sets on a simulated pipeline
 _MOUNTAIN = True
+# candidates whose balance score is within this share of the best are ranked by proxy time
+_TIME_PICK_SLACK = 0.6
 _EDGE_WEIGHT = 0.05  # 1F1B fill/drain: a heavy first or last microbatch costs the whole pipe
 _ENC_SLACK = 0.10  # a candidate's encoder CV may exceed the LPT sets' by this share
 
@@ -145,15 +151,16 @@ def _more_candidates(eidx, has_enc, valid, enc_cols, llm, tok, m, cap, budget, t
 
 
 def _pick(cands, x, members, valid, has_enc, enc_cols, enc_w, llm, tok, m):
-    """Per replica the best-scoring candidate ([R, n] E and L microbatch); replicas where all
-    fail get joint FFD sets."""
+    """Per replica one candidate ([R, n] E and L microbatch); replicas where none is usable
+    (all break the cap or budget, or leave an LLM set empty) get joint FFD sets.
+
+    Balance first: a candidate must keep the encoder sets within ``_ENC_SLACK`` of the
+    LPT sets and score within ``_TIME_PICK_SLACK`` of the best-balanced candidate. Among
+    those the shortest proxy 1F1B iteration wins: equal scores can hide where the heavy
+    microbatches sit, and that is what the pipeline pays for."""
     r_count = x.dp
-    eidx = cands[0][0]
-    best_score = np.full(r_count, np.inf)
-    eidx_out = np.zeros_like(eidx)
-    lidx_out = np.zeros_like(eidx)
-    failed = np.ones(r_count, bool)
     enc_ref = None
+    scored = []
     for ce, cl, cf in cands:
         e_eff = np.where(has_enc, ce, cl)
         sc, ecv = _score(e_eff, cl, valid, enc_cols, llm, m)
@@ -161,13 +168,22 @@ def _pick(cands, x, members, valid, has_enc, enc_cols, enc_w, llm, tok, m):
             enc_ref = np.where(cf, np.inf, ecv)
         # the encoders produce at a constant rate first: no candidate may give that up
         sc = np.where(cf | (ecv > enc_ref * (1 + _ENC_SLACK) + 1e-3), np.inf, sc)
-        better = sc < best_score
-        best_score = np.where(better, sc, best_score)
-        eidx_out = np.where(better[:, None], e_eff, eidx_out)
-        lidx_out = np.where(better[:, None], cl, lidx_out)
-        failed &= cf
-    eidx, lidx = eidx_out, lidx_out
-    for r in np.flatnonzero(failed):
+        scored.append((e_eff, cl, np.where(_empty_llm_set(cl, valid, m), np.inf, sc)))
+    best_sc = np.min([sc for _, _, sc in scored], axis=0)
+    best_key = np.full(r_count, np.inf)
+    eidx = np.zeros_like(cands[0][0])
+    lidx = np.zeros_like(eidx)
+    for e_eff, cl, sc in scored:
+        ok = np.isfinite(sc) & (sc <= best_sc * (1 + _TIME_PICK_SLACK) + 1e-12)
+        if not ok.any():
+            continue
+        key = sc if len(scored) == 1 else proxy_times(e_eff, cl, valid, enc_cols, llm, m)
+        key = np.where(ok, key, np.inf)
+        better = key < best_key
+        best_key = np.where(better, key, best_key)
+        eidx = np.where(better[:, None], e_eff, eidx)
+        lidx = np.where(better[:, None], cl, lidx)
+    for r in np.flatnonzero(~np.isfinite(best_key)):
         v = valid[r]
         joint = ffd_joint(
             llm[r, v] + enc_w[r, v] * 1e-9, tok[r, v], m, x.max_tokens, f"replica {int(r)}"
@@ -175,6 +191,16 @@ def _pick(cands, x, members, valid, has_enc, enc_cols, enc_w, llm, tok, m):
         eidx[r, v] = joint
         lidx[r, v] = joint
     return _edges_light(eidx, lidx, valid, enc_w, llm, m)
+
+
+def _empty_llm_set(lidx, valid, m) -> np.ndarray:
+    """[R] whether a replica with at least m samples leaves an LLM set empty."""
+    r_count = lidx.shape[0]
+    counts = np.zeros((r_count, m), np.int64)
+    rr = np.broadcast_to(np.arange(r_count)[:, None], lidx.shape)
+    ok = valid & (lidx >= 0)
+    np.add.at(counts, (rr[ok], lidx[ok]), 1)
+    return (counts == 0).any(axis=1) & (valid.sum(axis=1) >= m)
 
 
 def _edges_light(eidx, lidx, valid, enc_w, llm, m):

@@ -38,7 +38,7 @@ import numpy as np
 
 from ..simulator import simulate_pipeline
 
-__all__ = ["proxy_stage_shares", "refine_by_pipeline"]
+__all__ = ["proxy_stage_shares", "proxy_times", "refine_by_pipeline"]
 
 _PROXY_STAGES = 4
 _FWD_SHARE = 1.0 / 3.0  # forward share of a trainable module's forward + backward cost
@@ -118,6 +118,13 @@ def _replica_times(fwd, bwd):
     f = np.maximum(fwd.reshape(-1, m, s), 0.0)
     res = simulate_pipeline(f, np.maximum(bwd.reshape(-1, m, s), 0.0))
     return res.replica_times.reshape(shape)
+
+
+def proxy_times(eidx, lidx, valid, enc_cols, llm, m) -> np.ndarray:
+    """[R] proxy 1F1B iteration time of every replica for the sets (eidx, lidx)."""
+    ef, lf, lb = _per_stage(enc_cols, llm, valid)
+    fwd = _loads(eidx, ef, valid, m) + _loads(lidx, lf, valid, m)
+    return _replica_times(fwd, _loads(lidx, lb, valid, m))
 
 
 def _apply(eidx, lidx, g, bk, a, b, moved_b, na_e, na_l, nb_e, nb_l) -> None:
