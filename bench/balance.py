@@ -63,35 +63,14 @@ def run_method(method, costs, per_stage, batches, dp, m, seed):
         enc, llm, tok = enc_all[rows], llm_all[rows], tok_all[rows]
         cap, budget = caps(tok, dp, m)
         cap_m = cap if method in CAP_AWARE else None
+        kw = dict(dp=dp, microbatches=m, defer_budget=budget, method=method, seed=seed)
+        kw.update(iteration=it, flush=it == len(batches) - 1)
         t0 = time.perf_counter()
         try:
-            a = assign(
-                enc,
-                llm,
-                tok,
-                dp=dp,
-                microbatches=m,
-                max_tokens=cap_m,
-                defer_budget=budget,
-                method=method,
-                seed=seed,
-                iteration=it,
-                flush=it == len(batches) - 1,
-            )
+            a = assign(enc, llm, tok, max_tokens=cap_m, **kw)
         except InvalidInput:  # e.g. original-order packing cannot meet the cap: its own capacity
             cap_m = None
-            a = assign(
-                enc,
-                llm,
-                tok,
-                dp=dp,
-                microbatches=m,
-                defer_budget=budget,
-                method=method,
-                seed=seed,
-                iteration=it,
-                flush=it == len(batches) - 1,
-            )
+            a = assign(enc, llm, tok, **kw)
         lat.append(time.perf_counter() - t0)
         check_assignment(a, len(rows), tok, cap_m, budget if method in DEFERRING else None)
         carried_rows = rows[a.carried]
