@@ -22,9 +22,10 @@ from entrain_data.workers.packing import (
 from entrain_data.workers.tokenizer import BYTE_OFFSET, ByteTokenizer
 from entrain_data.workers.transforms import AudioTransform, VisionTransform
 
-from entrain_data.cost_model import ModelSpec, load_module, per_sample_costs
+from entrain_data.cost_model import per_sample_costs
 from entrain_data.errors import InvalidInput, SampleError
 from entrain_data.metadata import write_index
+from entrain_data.presets import ModelSpec, load_module
 
 # a light vision config so the tests stay fast: same geometry rules as the preset, smaller pages
 VISION = replace(load_module("qwen2.5-vl-vision"), max_pixels=256 * 28 * 28)
