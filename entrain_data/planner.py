@@ -144,13 +144,15 @@ def make_plan(
     calibration: dict | None = None,
     costs: SampleCosts | None = None,
     profile: MacroProfile | None = None,
+    max_tokens: int | None = None,
 ) -> ParallelPlan:
     """Search the feasible layouts for ``model`` on ``cluster`` and return the static plan.
 
     ``profile`` (a :class:`~entrain_data.profiler.MacroProfile` of ``table``)
     supplies the global batches to score on; otherwise ``batches`` global
     batches of ``global_batch`` samples are drawn with ``seed``. ``dp``, ``tp``,
-    ``pp`` and ``microbatches`` pin parts of the layout. Raises
+    ``pp`` and ``microbatches`` pin parts of the layout; ``max_tokens`` pins the LLM token cap of
+    a microbatch (else it is derived so that every global batch of the index fits). Raises
     :class:`~entrain_data.errors.PlanError` naming why when nothing fits.
     """
     t0 = time.perf_counter()
@@ -165,11 +167,23 @@ def make_plan(
         raise InvalidInput(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     costs = costs if costs is not None else per_sample_costs(table, model, calibration=calibration)
     tok = costs.llm_tokens.astype(np.int64)
-    ctx = _Context(model, cluster, global_batch, tok[idx], int(tok.max()), _enc_tokens(costs, idx))
+    _check_token_cap(table, tok, max_tokens)
+    ctx = _Context(
+        model,
+        cluster,
+        global_batch,
+        tok[idx],
+        int(tok.max()),
+        _enc_tokens(costs, idx),
+        _heavy_batch_tokens(tok, global_batch, seed),
+        max_tokens,
+    )
     cands, smallest_need = _candidates(
         ctx, layer_units(model, costs, idx), dp, tp, pp, microbatches, schedule
     )
     if not cands:
+        if max_tokens is not None:
+            raise _pinned_cap_error(ctx, dp, microbatches)
         if smallest_need is math.inf:
             raise PlanError(
                 f"no layout of {cluster.world_size} GPUs meets the constraints (dp={dp}, tp={tp}, "
@@ -255,6 +269,8 @@ class _Context:
     tokens_b: np.ndarray  # [K, B] LLM tokens of the profiled batches
     largest_sample: int  # LLM tokens of the table's largest sample
     enc_tokens_b: np.ndarray  # [K, B] encoder tokens (all encoders)
+    heavy_batch: int  # LLM tokens of the heaviest global batch of a few epochs of the table
+    max_tokens: int | None = None  # the user's token cap, if pinned
 
 
 def _profiled_batches(
@@ -300,15 +316,73 @@ def _enc_tokens(costs: SampleCosts, idx: np.ndarray) -> np.ndarray:
 def _caps(ctx: _Context, dp: int, m: int) -> tuple[int, int]:
     """Token cap and deferral budget of a microbatch for (dp, m).
 
-    The cap leaves 1.5x the heaviest profiled batch's mean microbatch so the
-    assignment has room to balance cost (not tokens), and never falls below the
-    table's largest sample (no sample may be unassignable). The deferral budget
-    buffers about two mean microbatches of encoder output.
+    The cap leaves 1.5x the heaviest batch's mean microbatch so the assignment has room to
+    balance cost (not tokens), never falls below the table's largest sample (no sample may be
+    unassignable), and lets ``m`` microbatches hold a replica's share of the heaviest global
+    batch of several epochs of the index plus one sample of split imbalance, so a plan made
+    from an index serves every batch of it. The deferral budget buffers about two mean
+    microbatches of encoder output.
     """
-    per_mb = ctx.tokens_b.sum(axis=1).max() / (dp * m)
-    cap = max(ctx.largest_sample, int(math.ceil(1.5 * per_mb)))
-    cap = int(math.ceil(cap / 256) * 256)
-    return cap, int(math.ceil(2 * per_mb))
+    heavy = max(int(ctx.tokens_b.sum(axis=1).max()), ctx.heavy_batch)
+    per_mb = heavy / (dp * m)
+    budget = int(math.ceil(2 * per_mb))
+    if ctx.max_tokens is not None:
+        return ctx.max_tokens, budget
+    share = int(math.ceil((heavy / dp + ctx.largest_sample) / m))
+    cap = max(ctx.largest_sample, int(math.ceil(1.5 * per_mb)), share)
+    return int(math.ceil(cap / 256) * 256), budget
+
+
+def _heavy_batch_tokens(tok: np.ndarray, global_batch: int, seed: int, epochs: int = 8) -> int:
+    """LLM tokens of the heaviest global batch over ``epochs`` seeded shuffles of the table
+    (at most ~4M samples drawn): the batches the service will cut, not only the profiled few."""
+    n = len(tok)
+    if n == 0 or global_batch < 1:
+        return 0
+    per_epoch = n // global_batch
+    if per_epoch == 0:
+        return int(tok.sum())
+    epochs = max(1, min(epochs, (4 << 20) // n))
+    rng = np.random.default_rng([int(seed), 0x7C0])
+    heavy = 0
+    for _ in range(epochs):
+        order = rng.permutation(n)[: per_epoch * global_batch]
+        heavy = max(heavy, int(tok[order].reshape(per_epoch, global_batch).sum(axis=1).max()))
+    return heavy
+
+
+def _check_token_cap(table: SampleTable, tok: np.ndarray, max_tokens: int | None) -> None:
+    """A pinned token cap must hold every sample: name the ones it does not."""
+    if max_tokens is None:
+        return
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise InvalidInput(f"max_tokens must be a positive integer, got {max_tokens!r}")
+    over = np.flatnonzero(tok > max_tokens)
+    if len(over):
+        worst = over[np.argsort(-tok[over])][:5]
+        named = ", ".join(f"{table.keys[i]} ({int(tok[i])} tokens)" for i in worst)
+        raise PlanError(
+            f"max_tokens {max_tokens}: {len(over)} sample(s) of the index are longer: {named}"
+            f"{' ...' if len(over) > 5 else ''}; raise max_tokens to at least {int(tok.max())} "
+            "or drop those samples from the index"
+        )
+
+
+def _share_need(ctx: _Context, dp: int, m: int) -> int:
+    """Tokens per microbatch that ``m`` microbatches need to hold a replica's share of the
+    heaviest global batch (plus one sample of split imbalance)."""
+    heavy = max(int(ctx.tokens_b.sum(axis=1).max()), ctx.heavy_batch)
+    return int(math.ceil((heavy / dp + ctx.largest_sample) / m))
+
+
+def _pinned_cap_error(ctx: _Context, dp: int | None, m: int | None) -> PlanError:
+    """Why a pinned token cap fits no layout: said at plan time, not mid-epoch."""
+    need = _share_need(ctx, dp or 1, m or 1)
+    return PlanError(
+        f"max_tokens {ctx.max_tokens}: a heavy global batch of this index needs up to {need} LLM "
+        f"tokens per microbatch at dp={dp or 1}, microbatches={m or 1}, and no layout with more "
+        "microbatches fits either; raise max_tokens or pin more microbatches"
+    )
 
 
 def _candidates(
@@ -363,6 +437,8 @@ def _candidates(
                 params = params_cache[p, k]
                 for mm in ms:
                     cap, budget = _caps(ctx, d, mm)
+                    if ctx.max_tokens is not None and cap < _share_need(ctx, d, mm):
+                        continue  # a pinned cap this layout's microbatches cannot serve
                     enc_tokens = int(math.ceil(1.5 * enc_tok.sum(axis=1).max() / (d * mm)))
                     enc_tokens = max(enc_tokens, int(enc_tok.max()))
                     for rc in (False, True):  # recompute only when the layout needs it
