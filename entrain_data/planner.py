@@ -53,6 +53,13 @@ from .simulator import (
     stage_sample_costs,
     times_from_sample_costs,
 )
+from .token_caps import (
+    check_token_cap,
+    heavy_batch_tokens,
+    pinned_cap_error,
+    share_need,
+    token_caps,
+)
 
 __all__ = [
     "make_plan",
@@ -167,7 +174,7 @@ def make_plan(
         raise InvalidInput(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     costs = costs if costs is not None else per_sample_costs(table, model, calibration=calibration)
     tok = costs.llm_tokens.astype(np.int64)
-    _check_token_cap(table, tok, max_tokens)
+    check_token_cap(table.keys, tok, max_tokens)
     ctx = _Context(
         model,
         cluster,
@@ -175,7 +182,7 @@ def make_plan(
         tok[idx],
         int(tok.max()),
         _enc_tokens(costs, idx),
-        _heavy_batch_tokens(tok, global_batch, seed),
+        heavy_batch_tokens(tok, global_batch, seed),
         max_tokens,
     )
     cands, smallest_need = _candidates(
@@ -183,7 +190,9 @@ def make_plan(
     )
     if not cands:
         if max_tokens is not None:
-            raise _pinned_cap_error(ctx, dp, microbatches)
+            raise pinned_cap_error(
+                max_tokens, _share_need(ctx, dp or 1, microbatches or 1), dp, microbatches
+            )
         if smallest_need is math.inf:
             raise PlanError(
                 f"no layout of {cluster.world_size} GPUs meets the constraints (dp={dp}, tp={tp}, "
@@ -314,75 +323,14 @@ def _enc_tokens(costs: SampleCosts, idx: np.ndarray) -> np.ndarray:
 
 
 def _caps(ctx: _Context, dp: int, m: int) -> tuple[int, int]:
-    """Token cap and deferral budget of a microbatch for (dp, m).
-
-    The cap leaves 1.5x the heaviest batch's mean microbatch so the assignment has room to
-    balance cost (not tokens), never falls below the table's largest sample (no sample may be
-    unassignable), and lets ``m`` microbatches hold a replica's share of the heaviest global
-    batch of several epochs of the index plus one sample of split imbalance, so a plan made
-    from an index serves every batch of it. The deferral budget buffers about two mean
-    microbatches of encoder output.
-    """
+    """Token cap and deferral budget of a microbatch for (dp, m) (see :mod:`.token_caps`)."""
     heavy = max(int(ctx.tokens_b.sum(axis=1).max()), ctx.heavy_batch)
-    per_mb = heavy / (dp * m)
-    budget = int(math.ceil(2 * per_mb))
-    if ctx.max_tokens is not None:
-        return ctx.max_tokens, budget
-    share = int(math.ceil((heavy / dp + ctx.largest_sample) / m))
-    cap = max(ctx.largest_sample, int(math.ceil(1.5 * per_mb)), share)
-    return int(math.ceil(cap / 256) * 256), budget
-
-
-def _heavy_batch_tokens(tok: np.ndarray, global_batch: int, seed: int, epochs: int = 8) -> int:
-    """LLM tokens of the heaviest global batch over ``epochs`` seeded shuffles of the table
-    (at most ~4M samples drawn): the batches the service will cut, not only the profiled few."""
-    n = len(tok)
-    if n == 0 or global_batch < 1:
-        return 0
-    per_epoch = n // global_batch
-    if per_epoch == 0:
-        return int(tok.sum())
-    epochs = max(1, min(epochs, (4 << 20) // n))
-    rng = np.random.default_rng([int(seed), 0x7C0])
-    heavy = 0
-    for _ in range(epochs):
-        order = rng.permutation(n)[: per_epoch * global_batch]
-        heavy = max(heavy, int(tok[order].reshape(per_epoch, global_batch).sum(axis=1).max()))
-    return heavy
-
-
-def _check_token_cap(table: SampleTable, tok: np.ndarray, max_tokens: int | None) -> None:
-    """A pinned token cap must hold every sample: name the ones it does not."""
-    if max_tokens is None:
-        return
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise InvalidInput(f"max_tokens must be a positive integer, got {max_tokens!r}")
-    over = np.flatnonzero(tok > max_tokens)
-    if len(over):
-        worst = over[np.argsort(-tok[over])][:5]
-        named = ", ".join(f"{table.keys[i]} ({int(tok[i])} tokens)" for i in worst)
-        raise PlanError(
-            f"max_tokens {max_tokens}: {len(over)} sample(s) of the index are longer: {named}"
-            f"{' ...' if len(over) > 5 else ''}; raise max_tokens to at least {int(tok.max())} "
-            "or drop those samples from the index"
-        )
+    return token_caps(heavy, ctx.largest_sample, dp, m, ctx.max_tokens)
 
 
 def _share_need(ctx: _Context, dp: int, m: int) -> int:
-    """Tokens per microbatch that ``m`` microbatches need to hold a replica's share of the
-    heaviest global batch (plus one sample of split imbalance)."""
     heavy = max(int(ctx.tokens_b.sum(axis=1).max()), ctx.heavy_batch)
-    return int(math.ceil((heavy / dp + ctx.largest_sample) / m))
-
-
-def _pinned_cap_error(ctx: _Context, dp: int | None, m: int | None) -> PlanError:
-    """Why a pinned token cap fits no layout: said at plan time, not mid-epoch."""
-    need = _share_need(ctx, dp or 1, m or 1)
-    return PlanError(
-        f"max_tokens {ctx.max_tokens}: a heavy global batch of this index needs up to {need} LLM "
-        f"tokens per microbatch at dp={dp or 1}, microbatches={m or 1}, and no layout with more "
-        "microbatches fits either; raise max_tokens or pin more microbatches"
-    )
+    return share_need(heavy, ctx.largest_sample, dp, m)
 
 
 def _candidates(
