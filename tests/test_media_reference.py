@@ -209,8 +209,12 @@ def test_whisper_features_match_feature_extractor(shared_data):
         assert -(-len(ours) // 4) == at.llm_tokens(sec)
 
 
-def _reference_video(cfg: ModuleConfig, path: Path, frames: int) -> tuple[np.ndarray, tuple]:
-    """Qwen2-VL's video pipeline with the pieces that run here (module doc)."""
+def reference_video(cfg: ModuleConfig, path: Path, frames: int) -> tuple[np.ndarray, tuple]:
+    """Qwen2-VL's video pipeline with the pieces that run here (module doc).
+
+    ``fixed``/``tiles`` presets: each sampled frame resized to one ``image_size`` square by the
+    preset's processor (InternVL's video frames are single tiles), laid out the same way.
+    """
     from transformers.image_utils import SizeDict
 
     with av.open(str(path)) as c:
@@ -218,27 +222,30 @@ def _reference_video(cfg: ModuleConfig, path: Path, frames: int) -> tuple[np.nda
     total = len(all_frames)
     picks = torch.arange(0, total, total / frames).int().tolist()  # its sample_frames
     h, w = all_frames[0].shape[:2]
-    vt = VisionTransform(cfg)
-    th, tw = vt.target_size(h, w, frames)
+    th, tw = VisionTransform(cfg).target_size(h, w, frames)
     proc = processor(cfg)
     out = []
     for i in picks:
         x = all_frames[i].transpose(2, 0, 1)
-        x = proc.resize(
-            x,
-            size=SizeDict(shortest_edge=th * tw, longest_edge=th * tw),
-            resample=Image.BICUBIC,
-            factor=cfg.patch_size * cfg.merge,
-        )
+        if cfg.resize == "dynamic":
+            x = proc.resize(
+                x,
+                size=SizeDict(shortest_edge=th * tw, longest_edge=th * tw),
+                resample=Image.BICUBIC,
+                factor=cfg.patch_size * cfg.merge,
+            )
+        else:
+            x = proc.resize(x, size=SizeDict(height=th, width=tw), resample=Image.BICUBIC)
         assert x.shape[1:] == (th, tw)
         x = proc.normalize(proc.rescale(x, 1 / 255), list(cfg.image_mean), list(cfg.image_std))
         out.append(torch.from_numpy(np.asarray(x, dtype=np.float32)))
-    v = torch.stack(out)[None]  # [1, T, C, H, W]; its patchify, transcribed:
     tp, p, m = cfg.temporal_patch, cfg.patch_size, cfg.merge
+    gh, gw = th // (p * m) * m, tw // (p * m) * m  # fixed: 384 -> 27 patches, remainder dropped
+    v = torch.stack(out)[None, :, :, : gh * p, : gw * p]  # [1, T, C, H, W]; its patchify:
     if pad := -v.shape[1] % tp:
         v = torch.cat((v, v[:, -1:].expand(-1, pad, -1, -1, -1)), dim=1)
-    gt, gh, gw = v.shape[1] // tp, th // p, tw // p
-    v = v.view(1, gt, tp, 3, gh // m, m, p, gw // m, m, p).permute(0, 1, 4, 7, 5, 8, 3, 2, 6, 9)
+    gt = v.shape[1] // tp
+    v = v.reshape(1, gt, tp, 3, gh // m, m, p, gw // m, m, p).permute(0, 1, 4, 7, 5, 8, 3, 2, 6, 9)
     return v.reshape(gt * gh * gw, 3 * tp * p * p).numpy(), (gt, gh, gw)
 
 
@@ -263,7 +270,7 @@ def test_video_matches_qwen2vl_video_pipeline(preset, videos, shared_data):
         raw, grid = vt.encode_video(clip)
         assert raw.dtype == np.uint8 and raw.shape[1] == 3 * cfg.temporal_patch * 14 * 14
         floats = normalize_pixels(torch.from_numpy(raw), meta_of(cfg), video=True).numpy()
-        ref, ref_grid = _reference_video(cfg, root / name, frames)
+        ref, ref_grid = reference_video(cfg, root / name, frames)
         assert grid == ref_grid and grid[0] == -(-frames // cfg.temporal_patch)
         assert np.prod(grid) // 4 == cost_tokens(cfg, info.height, info.width, frames)
         np.testing.assert_allclose(floats, ref, atol=2e-5, err_msg=name)
@@ -283,7 +290,8 @@ def test_video_probe_reads_headers_only(shared_data):
 
 def test_fixed_and_tiles_video_frames(shared_data):
     """SigLIP: each frame one 384 image; InternVL: each frame one 448 tile (the cost model's rule)."""
-    data = (shared_data / "mllm_demo" / "mllm_demo_data" / "4.mp4").read_bytes()
+    path = shared_data / "mllm_demo" / "mllm_demo_data" / "4.mp4"
+    data = path.read_bytes()
     info = decode.probe_video(data)
     n = decode.sampled_frames(info.seconds)
     for preset in ("siglip-so400m", "internvit-300m"):
@@ -294,6 +302,10 @@ def test_fixed_and_tiles_video_frames(shared_data):
         g = cfg.image_size // cfg.patch_size
         assert grid == (n, g, g)
         assert np.prod(grid) // cfg.merge**2 == cost_tokens(cfg, info.height, info.width, n)
+        floats = normalize_pixels(torch.from_numpy(raw), meta_of(cfg), video=True).numpy()
+        ref, ref_grid = reference_video(cfg, path, n)
+        assert ref_grid == grid
+        np.testing.assert_allclose(floats, ref, atol=2e-5, err_msg=preset)
 
 
 def test_bad_config_is_one_clear_error():

@@ -282,7 +282,7 @@ class SamplePacker:
         key, src = str(self.table.keys[row]), str(self.table.sources[row])
         try:
             media = not llm_only or self.validate_deferred
-            kinds = ("text", "image", "audio") if media else ("text",)
+            kinds = ("text", "image", "video", "audio") if media else ("text",)
             members = self._members(row, kinds)
             segments = tuple(decode.text_segments(members))
             images: list[np.ndarray] = []
