@@ -193,3 +193,31 @@ def test_real_media_served_per_preset(preset, tmp_path, shared_data):
                 seen["audio"] += 1
     assert seen == {"image": 12, "video": len(VIDEOS), "audio": len(AUDIO)}
     assert meta_of(vision)["pixel_mean"] == mbs[0].meta["pixel_mean"]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_wire_bytes_per_image_within_5_percent_of_its_uint8_pixels(preset, tmp_path, shared_data):
+    """One image per encoder-only microbatch, the whole wire message (header, keys, grids)."""
+    from entrain_data.workers.packing import make_packer
+
+    from entrain_data import protocol
+
+    shard, _ = write_real_shard(tmp_path, shared_data, n_coco=3)
+    table = build_index(str(shard), progress=False)
+    index = write_index(table, tmp_path / "index.parquet")
+    vision = load_module(preset)
+    packer = make_packer(str(index), vision=vision)
+    p = vision.patch_size
+    rows = [i for i in range(len(table)) if table.image_offsets[i + 1] > table.image_offsets[i]]
+    for r in rows:
+        if int(table.image_frames[int(table.image_offsets[r])]) > 1:
+            continue  # a clip: its frames are its pixels, same bound below
+        packed = packer([r], [])
+        head = {"epoch": 0, "iteration": 0, "microbatch": 0, "replica": 0}
+        fields = {**head, "encoder_keys": packed.encoder_keys, "llm_keys": [], "meta": packed.meta}
+        frames = protocol.encode("batch", fields, packed.tensors)
+        wire = sum(len(f) for f in frames)
+        grid = packed.tensors["image_grid_thw"]
+        # the uint8 pixels the encoder sees: every patch once (SigLIP: its 378 of 384 pixels)
+        pixels = int(grid.prod(axis=1).sum()) * p * p * 3
+        assert wire <= 1.05 * pixels, (preset, str(table.keys[r]), wire, pixels)

@@ -367,3 +367,23 @@ def test_tokenizer_by_name_and_object(demo):
     costs = per_sample_costs(words_table.take([0, 1, 2]), MODEL)
     assert np.array_equal(lens, costs.llm_tokens)  # same tokenizer in index and packer: exact
     assert out.meta["image_token_id"] == 1000
+
+
+def test_unservable_configuration_fails_at_construction(demo):
+    """One InvalidInput line from the constructor (the service builds one before any worker)."""
+    index, _ = demo
+    four = replace(VISION, in_channels=4, image_mean=(0.5,) * 4, image_std=(0.5,) * 4)
+    cases = [
+        ({"vision": four}, "in_channels"),
+        ({"vision": {**VISION.to_dict(), "resize_mode": "x"}}, "unknown field"),
+        ({"vision": "no-such-encoder"}, "unknown model preset"),
+        ({"audio": VISION}, "AudioTransform needs an audio module"),
+        ({"vision": AUDIO}, "VisionTransform needs a vision module"),
+        ({"on_error": "ignore"}, "on_error"),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(InvalidInput, match=match) as exc:
+            make_packer(str(index), **kwargs)
+        assert "\n" not in str(exc.value)
+    for preset in ("siglip-so400m", "internvit-300m", "qwen2.5-vl-vision-1280"):
+        make_packer(str(index), vision=preset)  # every vision preset is served
