@@ -16,7 +16,8 @@ with ragged item lists stored as offsets (the CSR layout Arrow uses), so a
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+import json
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +39,7 @@ __all__ = [
 
 INDEX_SCHEMA_VERSION = 1
 _VERSION_KEY = b"entrain_data.index_schema_version"
+_COLUMNS_KEY = b"entrain_data.column_map"
 
 INDEX_SCHEMA = pa.schema(
     [
@@ -141,8 +143,17 @@ class SampleTable:
     audio_offsets: np.ndarray  # int64 [N + 1]
     audio_seconds: np.ndarray  # float32 [A]
     origin: str = field(default="<memory>", compare=False)
+    # role -> Parquet column given at index time (``text``, ``image``, ``audio`` ...): stored in
+    # the index file's metadata so that ``serve`` reads the rows as they were indexed
+    column_map: Mapping[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
+        bad = [
+            k for k, v in self.column_map.items() if not (isinstance(k, str) and isinstance(v, str))
+        ]
+        if bad:
+            raise InvalidInput(f"{self.origin}: column_map entry {bad[0]!r} is not str -> str")
+        object.__setattr__(self, "column_map", dict(self.column_map))
         self.validate()
 
     # ------------------------------------------------------------------ checks
@@ -208,7 +219,12 @@ class SampleTable:
 
     # ------------------------------------------------------------ construction
     @classmethod
-    def from_records(cls, records: Iterable[SampleMeta], origin: str = "<memory>") -> SampleTable:
+    def from_records(
+        cls,
+        records: Iterable[SampleMeta],
+        origin: str = "<memory>",
+        column_map: Mapping[str, str] | None = None,
+    ) -> SampleTable:
         """Build a table from :class:`SampleMeta` records (keeps their order)."""
         recs = list(records)
         img_counts = np.array([len(r.images) for r in recs], dtype=np.int64)
@@ -227,6 +243,7 @@ class SampleTable:
             audio_offsets=_offsets(aud_counts),
             audio_seconds=np.array([s for r in recs for s in r.audio_seconds], dtype=np.float32),
             origin=origin,
+            column_map=dict(column_map or {}),
         )
 
     @classmethod
@@ -270,6 +287,7 @@ class SampleTable:
                 f"{origin}: columns 'image_frames', 'image_height' and 'image_width' list different item counts"
             )
         aoff, secs = flat("audio_seconds", np.float32)
+        column_map = _read_column_map(table.schema.metadata or {}, origin)
         return cls(
             keys=np.array(cols["key"].to_pylist(), dtype=object),
             sources=np.array(cols["source"].to_pylist(), dtype=object),
@@ -283,6 +301,7 @@ class SampleTable:
             audio_offsets=aoff,
             audio_seconds=secs,
             origin=origin,
+            column_map=column_map,
         )
 
     def to_arrow(self) -> pa.Table:
@@ -304,7 +323,10 @@ class SampleTable:
             lst(self.image_offsets, self.image_width, pa.int32()),
             lst(self.audio_offsets, self.audio_seconds, pa.float32()),
         ]
-        schema = INDEX_SCHEMA.with_metadata({_VERSION_KEY: str(INDEX_SCHEMA_VERSION).encode()})
+        meta = {_VERSION_KEY: str(INDEX_SCHEMA_VERSION).encode()}
+        if self.column_map:
+            meta[_COLUMNS_KEY] = json.dumps(self.column_map, sort_keys=True).encode()
+        schema = INDEX_SCHEMA.with_metadata(meta)
         return pa.Table.from_arrays(arrays, schema=schema)
 
     # ------------------------------------------------------------------ access
@@ -353,6 +375,7 @@ class SampleTable:
             audio_offsets=aoff,
             audio_seconds=secs,
             origin=self.origin,
+            column_map=self.column_map,
         )
 
     def record(self, i: int) -> SampleMeta:
@@ -408,7 +431,35 @@ class SampleTable:
             audio_offsets=cat_off("audio_offsets"),
             audio_seconds=cat("audio_seconds"),
             origin="+".join(sorted({t.origin for t in tables})),
+            column_map=_merged_column_maps(tables),
         )
+
+
+def _read_column_map(meta: Mapping[bytes, bytes], origin: str) -> dict[str, str]:
+    raw = meta.get(_COLUMNS_KEY)
+    if raw is None:
+        return {}
+    try:
+        cmap = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidInput(
+            f"{origin}: column map in the index metadata is not JSON ({exc})"
+        ) from exc
+    if not isinstance(cmap, dict):
+        raise InvalidInput(f"{origin}: column map in the index metadata is not an object")
+    return cmap
+
+
+def _merged_column_maps(tables: Sequence[SampleTable]) -> dict[str, str]:
+    """One map for the concatenation; two tables mapping one role to different columns clash."""
+    out: dict[str, str] = {}
+    for t in tables:
+        for role, col in t.column_map.items():
+            if out.setdefault(role, col) != col:
+                raise InvalidInput(
+                    f"concat: {t.origin} maps {role!r} to column {col!r}, another table to {out[role]!r}"
+                )
+    return out
 
 
 def write_index(table: SampleTable, path: str | Path) -> Path:

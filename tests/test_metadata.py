@@ -158,3 +158,33 @@ def test_empty_table_round_trips(tmp_path):
     t = SampleTable.from_records([])
     back = read_index(write_index(t, tmp_path / "e.parquet"))
     assert len(back) == 0 and np.array_equal(back.image_offsets, [0])
+
+
+def test_column_map_round_trips_through_the_index_file(tmp_path):
+    cmap = {"text": "TEXT", "image": "jpg"}
+    t = SampleTable.from_records(records(), column_map=cmap)
+    path = write_index(t, tmp_path / "i.parquet")
+    back = read_index(path)
+    assert back.column_map == cmap
+    assert back.take([2, 0]).column_map == cmap
+    assert (
+        read_index(
+            write_index(SampleTable.from_records(records()), tmp_path / "j.parquet")
+        ).column_map
+        == {}
+    )
+    other = SampleTable.from_records(
+        [SampleMeta("z", "u.parquet", 1, row=0)], column_map={"text": "caption"}
+    )
+    with pytest.raises(InvalidInput, match="maps 'text' to column 'caption'"):
+        SampleTable.concat([t, other])
+    with pytest.raises(InvalidInput, match="column_map"):
+        SampleTable.from_records(records(), column_map={"text": 3})
+
+
+def test_malformed_column_map_in_the_file_is_named(tmp_path):
+    arrow = SampleTable.from_records(records()).to_arrow()
+    arrow = arrow.replace_schema_metadata({b"entrain_data.column_map": b"{not json"})
+    pq.write_table(arrow, tmp_path / "bad.parquet")
+    with pytest.raises(InvalidInput, match="column map in the index metadata is not JSON"):
+        read_index(tmp_path / "bad.parquet")

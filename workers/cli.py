@@ -117,12 +117,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``index`` and ``serve`` to the ``entrain-data`` parser."""
-    p = subparsers.add_parser("index", help="build the Parquet index of WebDataset shards / tables")
+    p = subparsers.add_parser(
+        "index", help="build the Parquet index of WebDataset shards, tables or folders"
+    )
     p.add_argument(
         "inputs",
         nargs="+",
-        metavar="SHARDS_OR_TABLES",
-        help="tar shards (brace patterns allowed) and Parquet tables",
+        metavar="SHARDS_TABLES_OR_FOLDERS",
+        help="tar shards (brace patterns allowed), Parquet tables, folders of loose files "
+        "(name.jpg + name.txt/name.json); shards and tables may be s3://, gs://, https:// URLs",
     )
     p.add_argument("-o", "--output", required=True, metavar="INDEX", help="output Parquet index")
     p.add_argument(
@@ -135,7 +138,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         dest="columns",
         action="append",
         metavar="FIELD=COLUMN",
-        help="map an index field to a Parquet column (repeatable)",
+        help="map a field (text, image, audio, key, ...) to a Parquet column (repeatable); "
+        "stored in the index, so serve reads the rows the same way",
     )
     p.add_argument("--on-error", choices=("raise", "skip"), default="raise")
     p.add_argument("--skipped", metavar="PATH", help="write skipped samples (JSON lines) here")

@@ -5,8 +5,11 @@ Public API (stable; ``entrain-data index`` calls it):
 ``build_index(paths, *, tokenizer=None, progress=True, on_error="raise", parquet_columns=None,
 skipped=None) -> SampleTable``
 
-- ``paths``: shards (``.tar``, ``.tgz``, ``.tar.gz``) and tables (``.parquet``), brace patterns
-  allowed (``data/shard-{000..127}.tar``).
+- ``paths``: shards (``.tar``, ``.tgz``, ``.tar.gz``), tables (``.parquet``) and local folders of
+  loose files (:mod:`.loose_files`: ``name.jpg`` + ``name.txt``/``name.json``), brace patterns
+  allowed (``data/shard-{000..127}.tar``); shards and tables may be ``s3://``, ``gs://`` or
+  ``https://`` URLs (:mod:`.storage`), read by byte range: tar headers, then per sample one
+  ranged GET of its text and audio members and the first 64 KiB of its images (their headers).
 - Shards: a sample is the group of members sharing a key (see :mod:`.sources`). Image sizes come
   from the image headers (PIL opens lazily, no pixel decode), audio durations from the audio
   headers (soundfile; ``wave`` as fallback), text tokens from ``tokenizer``: a Hugging Face
@@ -20,7 +23,8 @@ skipped=None) -> SampleTable``
   (precomputed counts, instead of ``text``), ``image_height`` / ``image_width`` (int or list of
   ints per row), ``image_frames`` (same shape; default 1), ``audio_seconds`` (float or list);
   or ``image`` / ``audio``: columns of encoded bytes (or lists of them, or Hugging Face
-  ``{"bytes": ...}`` structs), whose sizes are then read from their headers.
+  ``{"bytes": ...}`` structs), whose sizes are then read from their headers. The mapping is
+  stored in the index (``SampleTable.column_map``), so ``serve`` reads the rows the same way.
 - ``on_error``: ``raise`` stops at the first bad sample with a SampleError naming shard and key;
   ``skip`` leaves it out, logs it and appends ``{"key", "source", "error"}`` to ``skipped``.
 
@@ -35,13 +39,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from entrain_data.errors import InvalidInput, SampleError
 from entrain_data.metadata import SampleMeta, SampleTable, VisionItem
 
 from . import decode
+from .loose_files import DirectorySource
 from .sources import PARQUET_SUFFIXES, TarShard, expand_paths, row_members
+from .storage import is_dir, open_parquet
 from .tokenizer import TextTokenizer, as_tokenizer, count_text_tokens
 
 __all__ = ["build_index", "index_shard", "index_parquet", "sample_meta_from_members"]
@@ -78,6 +83,33 @@ def sample_meta_from_members(
         raise SampleError(f"{source}: sample {member!r}: {exc}", source=source, key=key) from exc
 
 
+_HEADER_BYTES = 1 << 16
+"""Bytes of an image member the index reads first: its header (size) lies in them nearly always."""
+
+
+def _read_for_index(src: TarShard | DirectorySource, member: str) -> dict[str, bytes]:
+    """A sample's members as the index needs them: text and audio whole, images by header.
+
+    An image's size is in its first bytes, so a large picture costs 64 KiB of reading (and over
+    object storage no more than the sample's one ranged GET); one whose header lies further in
+    (a huge EXIF block) is read again whole.
+    """
+    exts = list(src.members(member))
+    heads = [e for e in exts if decode.member_kind(e) == "image" and not e.endswith(".gz")]
+    rest = [e for e in exts if e not in heads]
+    out = src.read(member, rest)  # also where a cut-off sample is named
+    if heads:
+        got = src.read(member, heads, limit=_HEADER_BYTES)
+        for ext, data in got.items():
+            if len(data) == _HEADER_BYTES:
+                try:
+                    decode.image_size(data)
+                except ValueError:
+                    data = src.read(member, [ext])[ext]
+            out[ext] = data
+    return out
+
+
 def index_shard(
     path: str,
     tokenizer: TextTokenizer,
@@ -85,15 +117,21 @@ def index_shard(
     on_error: str = "raise",
     skipped: list[dict[str, str]] | None = None,
 ) -> list[SampleMeta]:
-    """Records of every sample of one tar shard (keys are the WebDataset keys)."""
+    """Records of every sample of one tar shard or folder of loose files (WebDataset keys)."""
     out: list[SampleMeta] = []
-    shard = TarShard(path)
+    src: TarShard | DirectorySource = DirectorySource(path) if is_dir(path) else TarShard(path)
     try:
-        for member in list(shard.samples):
+        keys = src.keys()
+        if isinstance(src, DirectorySource) and src.passed_over:
+            log.warning(
+                "%s: passed over %d file group(s) without an image or audio file",
+                path,
+                src.passed_over,
+            )
+        for member in keys:
             try:
-                out.append(
-                    sample_meta_from_members(member, path, member, shard.read(member), tokenizer)
-                )
+                members = _read_for_index(src, member)
+                out.append(sample_meta_from_members(member, path, member, members, tokenizer))
             except SampleError as exc:
                 if on_error == "raise":
                     raise
@@ -101,7 +139,7 @@ def index_shard(
                 if skipped is not None:
                     skipped.append({"key": member, "source": path, "error": str(exc)})
     finally:
-        shard.close()
+        src.close()
     return out
 
 
@@ -124,7 +162,7 @@ def index_parquet(
     """Records of every row of a Parquet table, its columns mapped by ``columns`` (module doc)."""
     cols = dict(columns or {})
     try:
-        pf = pq.ParquetFile(path)
+        pf = open_parquet(path)
     except Exception as exc:
         raise InvalidInput(f"{path}: not a readable Parquet table ({exc})") from exc
     names = set(pf.schema_arrow.names)
@@ -135,7 +173,10 @@ def index_parquet(
             raise InvalidInput(f"{path}: column {name!r} (for {role!r}) not in the table")
     if "text" not in cols and "text_tokens" not in cols:
         raise InvalidInput(f"{path}: map a 'text' or 'text_tokens' column (parquet_columns)")
-    table = pf.read(columns=sorted(set(cols.values())))
+    try:
+        table = pf.read(columns=sorted(set(cols.values())))
+    finally:
+        pf.close()
     data = {role: table.column(name).to_pylist() for role, name in cols.items()}
     out: list[SampleMeta] = []
     for row in range(table.num_rows):
@@ -236,4 +277,10 @@ def build_index(
             bar.close()
     records = _unique_keys(records)
     origin = files[0] if len(files) == 1 else f"{files[0]} (+{len(files) - 1} more)"
-    return SampleTable.from_records(records, origin=origin)
+    column_map = dict(parquet_columns or {})
+    if any(f.endswith(PARQUET_SUFFIXES) for f in files):
+        if "text" not in column_map and "text_tokens" not in column_map:
+            column_map["text"] = "text"  # index_parquet's default, stated for serve
+    else:
+        column_map = {}
+    return SampleTable.from_records(records, origin=origin, column_map=column_map)

@@ -441,6 +441,9 @@ def make_packer(
         on_error=on_error,
         max_open=max_open,
         validate_deferred=validate_deferred,
-        parquet_columns=parquet_columns,
+        # the mapping given at index time, stored in the index, unless the caller overrides it
+        parquet_columns=parquet_columns
+        if parquet_columns is not None
+        else table.column_map or None,
         jpeg_draft=jpeg_draft,
     )

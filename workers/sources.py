@@ -3,8 +3,10 @@
 Public API (stable; the worker processes and the CLI call these):
 
 - ``expand_paths(patterns) -> list[str]``: brace patterns (``shard-{000..009}.tar``) and plain paths.
-- ``open_source(path) -> Source``: a :class:`TarShard` (``.tar``, ``.tgz``/``.tar.gz``) or a
-  :class:`ParquetSource` (``.parquet``), chosen by suffix.
+- ``open_source(path) -> Source``: a :class:`TarShard` (``.tar``, ``.tgz``/``.tar.gz``), a
+  :class:`ParquetSource` (``.parquet``), chosen by suffix, or for a local folder a
+  :class:`~.loose_files.DirectorySource` (loose files grouped by key as in a tar). Paths may be
+  ``s3://``, ``gs://``, ``https://`` URLs (see :mod:`.storage`): byte-range reads.
 - ``Source.keys() -> list[str]``; ``Source.read(member) -> dict[str, bytes | Any]``: the members
   of one sample by extension (``{"jpg": b"...", "txt": b"..."}``), optionally only ``exts``.
 - ``SourceCache(max_open)``: the open sources of one worker, opened once and kept (LRU).
@@ -34,10 +36,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from entrain_data.errors import InvalidInput, SampleError
+
+from . import storage
+from .parquet_source import ParquetSource, row_members
 
 __all__ = [
     "Source",
@@ -90,15 +92,19 @@ def expand_braces(pattern: str) -> list[str]:
 
 
 def expand_paths(patterns: str | os.PathLike | Iterable[str | os.PathLike]) -> list[str]:
-    """Brace-expand every pattern; each result must be an existing file (InvalidInput otherwise)."""
+    """Brace-expand every pattern; each result must be an existing file, a local folder of loose
+    files, or an object in storage (``s3://``, ``gs://``, ``https://``); InvalidInput otherwise."""
     if isinstance(patterns, (str, os.PathLike)):
         patterns = [patterns]
     out: list[str] = []
     for pat in patterns:
         for p in expand_braces(os.fspath(pat)):
-            if not os.path.isfile(p):
+            if storage.is_dir(p):
+                out.append(p.rstrip("/") or "/")
+                continue
+            if not storage.is_file(p):
                 raise InvalidInput(
-                    f"shard or table not found: {p} (from pattern {os.fspath(pat)!r})"
+                    f"shard, table or folder not found: {p} (from pattern {os.fspath(pat)!r})"
                 )
             out.append(p)
     return out
@@ -111,36 +117,6 @@ def split_member_name(name: str) -> tuple[str, str]:
     if dot < 0:
         return name, ""
     return name[:dot], name[dot + 1 :]
-
-
-def row_members(values: dict[str, Any], columns: dict[str, str]) -> dict[str, bytes]:
-    """A Parquet row as WebDataset-style members, so the same decode path serves both.
-
-    ``columns`` maps roles to column names: ``text`` (a string -> ``txt``; a list or dict, a
-    conversation -> ``json``), ``image`` (bytes or a list of bytes -> ``image000.png``... the
-    decoders sniff the real format), ``audio`` (same -> ``audio000.wav``...).
-    """
-    import json
-
-    out: dict[str, bytes] = {}
-    if "text" in columns:
-        v = values.get(columns["text"])
-        if isinstance(v, str):
-            out["txt"] = v.encode("utf-8")
-        elif v is not None:
-            out["json"] = json.dumps(v).encode("utf-8")
-    for role, name in (("image", "image{:03d}.png"), ("audio", "audio{:03d}.wav")):
-        if role not in columns:
-            continue
-        v = values.get(columns[role])
-        items = v if isinstance(v, (list, tuple)) else ([] if v is None else [v])
-        for i, item in enumerate(items):
-            if isinstance(item, dict):  # Hugging Face datasets store {"bytes": ..., "path": ...}
-                item = item.get("bytes")
-            if not isinstance(item, (bytes, bytearray)):
-                raise SampleError(f"column {columns[role]!r} item {i} is not bytes")
-            out[name.format(i)] = bytes(item)
-    return out
 
 
 class Source(Protocol):
@@ -167,11 +143,32 @@ def _is_gzip_tar(path: str) -> bool:
     return path.endswith(GZIP_TAR_SUFFIXES)
 
 
+_GAP = 1 << 16
+"""Byte ranges closer than this are fetched as one request (a request costs more than 64 KiB)."""
+
+
+def _ranged_read(path: str, spans: Sequence[tuple[str, int, int]]) -> dict[str, bytes]:
+    """``{ext: bytes}`` for ``(ext, start, end)`` spans, neighbouring spans in one ranged read."""
+    out: dict[str, bytes] = {}
+    group: list[tuple[str, int, int]] = []
+    for span in sorted(spans, key=lambda s: s[1]) + [("", -1, -1)]:
+        if group and (span[1] < 0 or span[1] - max(e for _, _, e in group) > _GAP):
+            lo, hi = group[0][1], max(e for _, _, e in group)
+            blob = storage.read_range(path, lo, hi)
+            for ext, start, end in group:
+                out[ext] = blob[start - lo : end - lo]
+            group = []
+        if span[1] >= 0:
+            group.append(span)
+    return out
+
+
 class TarShard:
     """Random access into one WebDataset tar shard by sample key (member offset table, seek+read)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = os.fspath(path)
+        self.remote = storage.is_remote(self.path)
         self._data: bytes | None = None  # decompressed gzip shard
         self._fh: io.BufferedReader | None = None
         self._lock = threading.Lock()
@@ -186,7 +183,7 @@ class TarShard:
             return io.BytesIO(self._data)
         if self._fh is None:
             try:
-                self._fh = open(self.path, "rb")  # noqa: SIM115 - kept open for seeks
+                self._fh = storage.open_ranged(self.path)  # kept open for seeks
             except OSError as exc:
                 raise SampleError(
                     f"{self.path}: cannot open shard ({exc})", source=self.path
@@ -196,8 +193,7 @@ class TarShard:
     def _gunzip(self) -> bytes:
         """The whole decompressed tar; a cut-off gzip stream yields what it holds (truncated)."""
         try:
-            with open(self.path, "rb") as f:
-                raw = f.read()
+            raw = storage.read_all(self.path)
         except OSError as exc:
             raise SampleError(f"{self.path}: cannot open shard ({exc})", source=self.path) from exc
         d = zlib.decompressobj(16 + zlib.MAX_WBITS)
@@ -284,8 +280,15 @@ class TarShard:
                 f"{self.path}: no sample with key {key!r} in this shard", source=self.path, key=key
             ) from None
 
-    def read(self, member: str, exts: Sequence[str] | None = None) -> dict[str, bytes]:
-        """Payloads of sample ``member`` by extension (only ``exts`` when given)."""
+    def read(
+        self, member: str, exts: Sequence[str] | None = None, limit: int | None = None
+    ) -> dict[str, bytes]:
+        """Payloads of sample ``member`` by extension (only ``exts`` when given).
+
+        ``limit``: read at most this many bytes of each member (the index reads image headers).
+        A sample's members lie side by side in the tar, so object storage serves them with one
+        ranged GET (two when a ``limit`` leaves a gap over :data:`_GAP` bytes between them).
+        """
         refs = self.members(member)
         if self.truncated and member == self._incomplete:
             raise SampleError(
@@ -293,22 +296,35 @@ class TarShard:
                 source=self.path,
                 key=member,
             )
-        out: dict[str, bytes] = {}
-        with self._lock:
-            fh = self._open_stream()
-            for ext, ref in refs.items():
-                if exts is not None and ext not in exts:
-                    continue
-                fh.seek(ref.offset)
-                data = fh.read(ref.size)
-                if len(data) != ref.size:
-                    raise SampleError(
-                        f"{self.path}: sample {member!r} member .{ext} is truncated "
-                        f"({len(data)} of {ref.size} bytes)",
-                        source=self.path,
-                        key=member,
-                    )
-                out[ext] = data
+        spans = [
+            (ext, ref.offset, ref.offset + (ref.size if limit is None else min(ref.size, limit)))
+            for ext, ref in refs.items()
+            if exts is None or ext in exts
+        ]
+        try:
+            if self.remote and not _is_gzip_tar(self.path):
+                out = _ranged_read(self.path, spans)
+            else:
+                out = {}
+                with self._lock:
+                    fh = self._open_stream()
+                    for ext, start, end in spans:
+                        fh.seek(start)
+                        out[ext] = fh.read(end - start)
+        except OSError as exc:
+            raise SampleError(
+                f"{self.path}: sample {member!r} unreadable ({type(exc).__name__}: {exc})",
+                source=self.path,
+                key=member,
+            ) from exc
+        for ext, start, end in spans:
+            if len(out[ext]) != end - start:
+                raise SampleError(
+                    f"{self.path}: sample {member!r} member .{ext} is truncated "
+                    f"({len(out[ext])} of {end - start} bytes)",
+                    source=self.path,
+                    key=member,
+                )
         return out
 
     def close(self) -> None:
@@ -316,68 +332,6 @@ class TarShard:
             self._fh.close()
             self._fh = None
         self._data = None
-
-
-class ParquetSource:
-    """Row access into a Parquet table through its row groups (one row group decoded per miss).
-
-    ``member`` is the row number as a string (``"17"``) or an int; ``read`` returns the row's
-    columns as Python values (``bytes`` for binary columns).
-    """
-
-    def __init__(self, path: str | os.PathLike, columns: Sequence[str] | None = None) -> None:
-        self.path = os.fspath(path)
-        try:
-            self._file = pq.ParquetFile(self.path)
-        except (pa.ArrowInvalid, OSError) as exc:
-            raise SampleError(
-                f"{self.path}: not a readable Parquet table ({exc})", source=self.path
-            ) from exc
-        meta = self._file.metadata
-        self.num_rows = meta.num_rows
-        self._starts = [0]
-        for g in range(meta.num_row_groups):
-            self._starts.append(self._starts[-1] + meta.row_group(g).num_rows)
-        self.columns = list(columns) if columns is not None else None
-        self._cached: tuple[int, pa.Table] | None = None
-
-    def keys(self) -> list[str]:
-        return [str(i) for i in range(self.num_rows)]
-
-    def _group(self, row: int) -> tuple[int, int]:
-        import bisect
-
-        g = bisect.bisect_right(self._starts, row) - 1
-        return g, row - self._starts[g]
-
-    def read(self, member: str | int, exts: Sequence[str] | None = None) -> dict[str, Any]:
-        try:
-            row = int(member)
-        except (TypeError, ValueError):
-            raise SampleError(
-                f"{self.path}: row {member!r} is not an integer", source=self.path, key=str(member)
-            ) from None
-        if not 0 <= row < self.num_rows:
-            raise SampleError(
-                f"{self.path}: row {row} out of range ({self.num_rows} rows)",
-                source=self.path,
-                key=str(row),
-            )
-        g, within = self._group(row)
-        if self._cached is None or self._cached[0] != g:
-            cols = list(exts) if exts is not None else self.columns
-            try:
-                self._cached = (g, self._file.read_row_group(g, columns=cols))
-            except (pa.ArrowInvalid, OSError, KeyError) as exc:
-                raise SampleError(
-                    f"{self.path}: row group {g} unreadable ({exc})", source=self.path, key=str(row)
-                ) from exc
-        table = self._cached[1]
-        names = [c for c in table.column_names if exts is None or c in exts]
-        return {c: table.column(c)[within].as_py() for c in names}
-
-    def close(self) -> None:
-        self._cached = None
 
 
 class TorchDatasetSource:
@@ -420,11 +374,17 @@ class TorchDatasetSource:
 def open_source(path: str | os.PathLike, **options: Any) -> Source:
     """Open a shard or table by suffix; raises InvalidInput for an unknown kind."""
     p = os.fspath(path)
+    if storage.is_dir(p):
+        from .loose_files import DirectorySource
+
+        return DirectorySource(p)
     if p.endswith(TAR_SUFFIXES + GZIP_TAR_SUFFIXES):
         return TarShard(p)
     if p.endswith(PARQUET_SUFFIXES):
         return ParquetSource(p, **options)
-    raise InvalidInput(f"{p}: unknown source kind (expected .tar, .tgz, .tar.gz or .parquet)")
+    raise InvalidInput(
+        f"{p}: unknown source kind (expected .tar, .tgz, .tar.gz, .parquet or a folder)"
+    )
 
 
 class SourceCache:
