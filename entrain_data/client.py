@@ -80,6 +80,7 @@ class _Conn:
         position: tuple[int, int, int],
         seed: int | None,
         fingerprint: str | None,
+        data_fingerprint: str | None,
         prefetch: int,
         timeout: float,
         curve_server_key: bytes | None,
@@ -106,6 +107,7 @@ class _Conn:
                 "position": list(position),
                 "seed": seed,
                 "fingerprint": fingerprint,
+                "data_fingerprint": data_fingerprint,
                 "pid": os.getpid(),
             },
         )
@@ -173,6 +175,30 @@ class _Conn:
         self.ctx.term()
 
 
+def _check_job_agrees(rank: int, fingerprint: str | None, endpoint: str) -> None:
+    """With torch.distributed initialised, every rank's service must serve the same stream.
+
+    One service per node computes the global schedule from (plan, seed, index content);
+    two that disagree would silently duplicate and lose samples, so they are refused
+    here, on every rank, before the first microbatch. A collective: every rank reaches it
+    on its first use of the loader (``iter``, ``info`` or ``stats``).
+    """
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    seen: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, [fingerprint, endpoint])
+    if len({fp for fp, _ in seen}) > 1:
+        groups: dict[str, list[int]] = {}
+        for r, (fp, _) in enumerate(seen):
+            groups.setdefault(str(fp), []).append(r)
+        detail = "; ".join(f"ranks {v} -> service {k}" for k, v in groups.items())
+        raise InvalidInput(
+            f"rank {rank}: the loader services of this job disagree ({detail}): start every "
+            "node's service with the same plan, seed, epochs and index content"
+        )
+
+
 def _close(conn_box: list[_Conn | None], service: Any) -> None:
     conn = conn_box[0]
     if conn is not None:
@@ -213,6 +239,7 @@ class EntrainLoader:
         self._expect_end: int | None = None  # the epoch whose end marker is still to come
         self._seed: int | None = None
         self._fingerprint: str | None = None
+        self._data_fingerprint: str | None = None
         self._box: list[_Conn | None] = [None]
         self._service = _service
         self._finalizer = weakref.finalize(self, _close, self._box, _service)
@@ -269,6 +296,7 @@ class EntrainLoader:
                 self._position,
                 self._seed,
                 self._fingerprint,
+                self._data_fingerprint,
                 self.prefetch,
                 self.timeout,
                 self._curve,
@@ -276,6 +304,18 @@ class EntrainLoader:
             )
             info = self._box[0].info
             self._seed, self._fingerprint = info["seed"], info["fingerprint"]
+            self._data_fingerprint = info.get("data_fingerprint")
+            start = tuple(info.get("position") or self._position)
+            if start != self._position:  # resumed under a new plan: at its iteration's start
+                log.warning(
+                    "rank %d: resuming at epoch %d iteration %d microbatch %d (a new plan "
+                    "re-assigns the whole iteration; asked for %s)",
+                    self.rank,
+                    *start,
+                    self._position,
+                )
+                self._position = start  # type: ignore[assignment]
+            _check_job_agrees(self.rank, self._fingerprint, self.endpoint)
         return self._box[0]
 
     @property
@@ -293,6 +333,7 @@ class EntrainLoader:
             "microbatch": mb,
             "seed": self._seed,
             "fingerprint": self._fingerprint,
+            "data_fingerprint": self._data_fingerprint,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -312,6 +353,7 @@ class EntrainLoader:
         self._position = pos
         self._seed = state.get("seed")
         self._fingerprint = state.get("fingerprint")
+        self._data_fingerprint = state.get("data_fingerprint")
 
     # ------------------------------------------------------------- iterating
     def __iter__(self) -> Iterator[Microbatch]:

@@ -101,12 +101,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         curve_public_key=public,
         window=args.window,
         stats_interval=args.stats_interval,
+        ranks=args.ranks,
     )
 
     def ready() -> None:  # printed once bound: a failed start prints only its error
+        ranks = f"ranks {args.ranks}, " if args.ranks else ""
         print(
-            f"entrain-data serve: {cfg.endpoint} ({args.workers} workers, seed {args.seed}, "
-            f"{args.epochs} epoch(s)); Ctrl-C to stop",
+            f"entrain-data serve: {cfg.endpoint} ({ranks}{args.workers} workers, seed "
+            f"{args.seed}, {args.epochs} epoch(s)); Ctrl-C to stop",
             flush=True,
         )
         if public is not None:
@@ -180,6 +182,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--workers", type=int, default=2, metavar="N", help="worker processes (read, decode, pack)"
+    )
+    p.add_argument(
+        "--ranks",
+        default=None,
+        metavar="A-B",
+        help="serve only global ranks A..B (inclusive): one service per node, each computing the "
+        "same global schedule (default: every rank of the plan)",
     )
     p.add_argument("--seed", type=int, default=0, metavar="S", help="shuffle and assignment seed")
     p.add_argument("--epochs", type=int, default=1, metavar="E", help="epochs to serve, then exit")

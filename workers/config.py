@@ -38,5 +38,6 @@ class ServiceConfig:
     max_skipped: str | int | None = "1%"  # error budget of undecodable samples (count or "N%")
     max_restarts: int = 20
     assign_fn: Callable[..., Any] | None = None  # replaces assignment.assign (tests)
+    ranks: tuple[int, int] | None = None  # inclusive range of ranks this node serves; None: all
     log_level: int = logging.WARNING
     stats_interval: float = 0.0  # seconds between logged stats lines; 0: never

@@ -39,7 +39,7 @@ from .assign_ahead import AssignAhead
 from .config import ServiceConfig, State
 from .hello import check_hello
 from .pool import WorkerPool
-from .schedule import Scheduler
+from .schedule import Scheduler, data_fingerprint, digest
 from .skips import SkipRecord, parse_budget
 from .stats import Counters, service_stats
 
@@ -70,8 +70,14 @@ class Coordinator:
         self.on_ready = on_ready  # called once bound and serving
         self.state = State.STARTING
         self.plan = ParallelPlan.from_json(cfg.plan_json)
-        self.fingerprint = self.plan.fingerprint()
         enc, llm, tokens = cfg.source.costs()
+        keys = cfg.source.keys()
+        self.data_fingerprint = data_fingerprint(
+            enc, llm, tokens, keys, seed=cfg.seed, global_batch=self.plan.global_batch
+        )
+        self.fingerprint = digest([self.plan.fingerprint(), self.data_fingerprint, cfg.epochs])
+        lo, hi = cfg.ranks if cfg.ranks is not None else (0, self.plan.world_size - 1)
+        self.served = range(lo, hi + 1)  # the ranks of this node (serve --ranks A-B)
         self.scheduler = Scheduler(
             enc,
             llm,
@@ -88,7 +94,7 @@ class Coordinator:
         self.shape = self.scheduler.shape
         self.end_pos = cfg.epochs * self.shape.per_epoch
         self.record = SkipRecord(
-            cfg.skipped_path, parse_budget(cfg.max_skipped), len(llm), cfg.source.keys
+            cfg.skipped_path, parse_budget(cfg.max_skipped), len(llm), lambda: keys
         )
         self._recorded_epochs: set[int] = set()
         self.ahead: AssignAhead | None = None
@@ -226,7 +232,7 @@ class Coordinator:
                 self._deliver(front)
             self._maybe_log_stats()
             if drain_until is None and (
-                self.error is not None or len(self.done) >= self.plan.world_size
+                self.error is not None or len(self.done) >= len(self.served)
             ):
                 drain_until = time.monotonic() + 0.5  # let the last frames leave the socket
             if drain_until is not None and time.monotonic() > drain_until:
@@ -276,10 +282,11 @@ class Coordinator:
             self._reply(front, ident, "error", error_fields(self.error))
             return
         try:
-            rank, (epoch, it, mb) = check_hello(
+            rank, (epoch, it, mb), elastic = check_hello(
                 h,
-                ranks=range(self.plan.world_size),
+                ranks=self.served,
                 fingerprint=self.fingerprint,
+                data_fingerprint=self.data_fingerprint,
                 seed=self.cfg.seed,
                 shape=self.shape,
             )
@@ -300,6 +307,8 @@ class Coordinator:
             {
                 "plan": self.cfg.plan_json,
                 "fingerprint": self.fingerprint,
+                "data_fingerprint": self.data_fingerprint,
+                "position": [epoch, it, mb],
                 "replica": coords.replica,
                 "stage": coords.stage,
                 "seed": self.cfg.seed,
@@ -309,6 +318,14 @@ class Coordinator:
             },
         )
         log.info("rank %d (replica %d) connected at %s", rank, coords.replica, (epoch, it, mb))
+        if elastic:
+            log.warning(
+                "rank %d resumes under a new plan at the start of epoch %d iteration %d "
+                "(re-assigned with this plan)",
+                rank,
+                epoch,
+                it,
+            )
         if self.ranks[rank].next_pos >= self.end_pos:
             self.done.add(rank)
 

@@ -13,6 +13,8 @@ A replica's stream is linear: position ``p`` is epoch ``p // S``, iteration
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -24,7 +26,15 @@ import numpy as np
 from entrain_data.assignment import assign
 from entrain_data.errors import InvalidInput
 
-__all__ = ["StreamShape", "Slot", "epoch_batches", "epoch_left_out", "Scheduler"]
+__all__ = [
+    "StreamShape",
+    "Slot",
+    "epoch_batches",
+    "epoch_left_out",
+    "Scheduler",
+    "data_fingerprint",
+    "digest",
+]
 
 log = logging.getLogger(__name__)
 
@@ -192,3 +202,23 @@ class Scheduler:
     def slot(self, replica: int, position: int) -> Slot:
         epoch, it, mb = self.shape.locate(position)
         return self.slots(epoch, it)[replica][mb]
+
+
+def digest(parts: list[Any]) -> str:
+    """A short, stable hash of JSON-serialisable parts."""
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+
+def data_fingerprint(
+    enc: Any, llm: Any, tokens: Any, keys: list[str] | None, *, seed: int, global_batch: int
+) -> str:
+    """What makes two services cut the same global batches: seed, batch size, the samples.
+
+    The samples are hashed by content (their keys and the costs the schedule balances),
+    so two nodes with different copies of an index, or another seed, disagree.
+    """
+    h = hashlib.sha256()
+    for arr in (enc, llm, tokens):
+        h.update(np.ascontiguousarray(arr).tobytes())
+    h.update("\n".join(keys or []).encode())
+    return digest([h.hexdigest(), int(seed), int(global_batch)])

@@ -38,6 +38,7 @@ from .skips import parse_budget
 __all__ = [
     "ServiceHandle",
     "check_endpoint",
+    "parse_ranks",
     "make_config",
     "serve_foreground",
     "start_for_dataset",
@@ -60,6 +61,23 @@ def _plan_json(plan: ParallelPlan | str | os.PathLike) -> str:
             f"{path}: not a plan (binary file; give the JSON written by `entrain-data plan`)"
         ) from None
     return ParallelPlan.from_json(text, origin=str(path)).to_json()
+
+
+def parse_ranks(ranks: str | tuple[int, int] | None, world_size: int) -> tuple[int, int] | None:
+    """``"A-B"`` (inclusive) or ``(A, B)``: the ranks one node's service serves, inside the plan."""
+    if ranks is None:
+        return None
+    try:
+        if isinstance(ranks, str):
+            a, sep, b = ranks.partition("-")
+            lo, hi = int(a), int(b if sep else a)
+        else:
+            lo, hi = (int(x) for x in ranks)
+    except (TypeError, ValueError):
+        raise InvalidInput(f"ranks must be A-B (inclusive), got {ranks!r}") from None
+    if not 0 <= lo <= hi < world_size:
+        raise InvalidInput(f"ranks {lo}-{hi} outside the plan's ranks 0-{world_size - 1}")
+    return lo, hi
 
 
 def check_endpoint(endpoint: str) -> str:
@@ -113,6 +131,7 @@ def make_config(
     socket_dir: str | None = None,
     assign_fn: Any = None,
     check_packer: bool = True,
+    ranks: str | tuple[int, int] | None = None,
 ) -> ServiceConfig:
     """Validate the options and build a :class:`ServiceConfig` (ipc endpoints in ``socket_dir``).
 
@@ -131,6 +150,7 @@ def make_config(
         raise InvalidInput(f"window must be >= 1, got {window}")
     parse_budget(max_skipped)
     plan_json = _plan_json(plan)
+    served = parse_ranks(ranks, ParallelPlan.from_json(plan_json).world_size)
     if endpoint is not None:
         check_endpoint(endpoint)
     if index is not None:
@@ -173,6 +193,7 @@ def make_config(
         log_level=log_level if log_level is not None else logging.getLogger().getEffectiveLevel(),
         stats_interval=stats_interval,
         assign_fn=assign_fn,
+        ranks=served,
     )
 
 
