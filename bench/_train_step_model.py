@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from entrain_data.metadata import SampleTable
 from entrain_data.presets import ModuleConfig
-from entrain_data.tokens import audio_tokens, smart_resize
+from entrain_data.tokens import audio_tokens, dynamic_pixel_bounds, smart_resize
 
 __all__ = [
     "SegmentPlan",
@@ -345,14 +345,9 @@ def item_grids(table: SampleTable, cfg: ModuleConfig) -> np.ndarray:
     if cfg.resize != "dynamic":
         raise ValueError(f"bench model supports dynamic-resolution encoders, not {cfg.resize!r}")
     frames = table.image_frames.astype(np.int64)
-    is_video = frames > 1
-    vcap = np.full(frames.shape, float(min(cfg.video_max_pixels or cfg.max_pixels, cfg.max_pixels)))
-    if cfg.video_total_pixels:
-        vcap = np.minimum(vcap, cfg.video_total_pixels / frames * cfg.temporal_patch)
-    vcap = np.maximum(vcap, cfg.min_pixels)
-    max_px = np.where(is_video, vcap, cfg.max_pixels)
+    min_px, max_px = dynamic_pixel_bounds(cfg, frames)
     hb, wb = smart_resize(
-        table.image_height, table.image_width, cfg.patch_size * cfg.merge, cfg.min_pixels, max_px
+        table.image_height, table.image_width, cfg.patch_size * cfg.merge, min_px, max_px
     )
     groups = -(-frames // cfg.temporal_patch)
     return np.stack([groups, hb // cfg.patch_size, wb // cfg.patch_size], axis=1)

@@ -61,6 +61,7 @@ class ModuleConfig:
     image_size: int = 0
     min_pixels: int = 0
     max_pixels: int = 0
+    video_min_pixels: int = 0  # per frame; 0: same as min_pixels
     video_max_pixels: int = 0  # per frame; 0: same as max_pixels
     video_total_pixels: int = (
         0  # pixel budget of a whole clip (per-frame cap shrinks with frames); 0: none

@@ -16,7 +16,14 @@ import numpy as np
 
 from .presets import ModuleConfig
 
-__all__ = ["ItemTokens", "vision_tokens", "audio_tokens", "smart_resize", "internvl_tiles"]
+__all__ = [
+    "ItemTokens",
+    "vision_tokens",
+    "audio_tokens",
+    "smart_resize",
+    "dynamic_pixel_bounds",
+    "internvl_tiles",
+]
 
 
 @dataclass(frozen=True)
@@ -122,6 +129,26 @@ def _window_sumsq(grid_h: np.ndarray, grid_w: np.ndarray, window: int) -> np.nda
     return chunks_sq(grid_h) * chunks_sq(grid_w)
 
 
+def dynamic_pixel_bounds(cfg: ModuleConfig, frames: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(min_pixels, max_pixels) of every item's frames under dynamic resolution.
+
+    Images use the image processor's bounds. Video frames follow qwen-vl-utils' ``fetch_video``
+    (what Qwen2-VL / Qwen2.5-VL train on): floor ``video_min_pixels`` (128*28*28 for Qwen), cap
+    ``max(min(video_max_pixels, video_total_pixels / frames * temporal_patch), 1.05 * floor)``.
+    The one rule the cost model, the worker transform and the bench model share.
+    """
+    frames = np.asarray(frames, dtype=np.int64)
+    is_video = frames > 1
+    vmin = float(cfg.video_min_pixels or cfg.min_pixels)
+    vcap = np.full(frames.shape, float(min(cfg.video_max_pixels or cfg.max_pixels, cfg.max_pixels)))
+    if cfg.video_total_pixels:
+        vcap = np.minimum(vcap, cfg.video_total_pixels / np.maximum(frames, 1) * cfg.temporal_patch)
+    vcap = np.maximum(vcap, vmin * 1.05 if cfg.video_min_pixels else vmin)
+    min_px = np.where(is_video, vmin, float(cfg.min_pixels))
+    max_px = np.where(is_video, vcap, float(cfg.max_pixels))
+    return min_px, max_px
+
+
 def vision_tokens(
     cfg: ModuleConfig, frames: np.ndarray, height: np.ndarray, width: np.ndarray
 ) -> ItemTokens:
@@ -146,16 +173,8 @@ def vision_tokens(
         gh = np.full(frames.shape, g, dtype=np.int64)
         gw = gh
     else:  # dynamic
-        factor = p * m
-        vmax = cfg.video_max_pixels or cfg.max_pixels
-        vcap = np.full(frames.shape, float(min(vmax, cfg.max_pixels)))
-        if (
-            cfg.video_total_pixels
-        ):  # qwen-vl-utils: total budget / frames * temporal patch, >= min_pixels
-            vcap = np.minimum(vcap, cfg.video_total_pixels / frames * cfg.temporal_patch)
-        vcap = np.maximum(vcap, cfg.min_pixels)
-        max_px = np.where(is_video, vcap, cfg.max_pixels)
-        hb, wb = smart_resize(height, width, factor, cfg.min_pixels, max_px)
+        min_px, max_px = dynamic_pixel_bounds(cfg, frames)
+        hb, wb = smart_resize(height, width, p * m, min_px, max_px)
         gh, gw = hb // p, wb // p
         n_seq = -(-frames // cfg.temporal_patch)
     seq_len = gh * gw + cls

@@ -12,7 +12,7 @@ torchvision at module level, so it cannot run: the video test takes the frames t
 processor's ``sample_frames`` picks (its formula), resizes and normalises each with
 ``Qwen2VLImageProcessorPil``'s own ``resize``/``rescale``/``normalize`` and lays them out with the
 video processor's ``patchify`` permutation, transcribed. The frame size is the cost model's video
-rule, checked against qwen-vl-utils' rule where the two agree (see ``qwen_vl_utils_size``).
+rule, checked against qwen-vl-utils' rule (see ``qwen_vl_utils_size``).
 """
 
 from __future__ import annotations
@@ -210,6 +210,9 @@ def test_whisper_features_match_feature_extractor(shared_data):
         assert -(-len(ours) // 4) == at.llm_tokens(sec)
 
 
+QWEN_VL_UTILS_VIDEO_MIN_PIXELS = 128 * 28 * 28
+
+
 def reference_video(cfg: ModuleConfig, path: Path, frames: int) -> tuple[np.ndarray, tuple]:
     """Qwen2-VL's video pipeline with the pieces that run here (module doc).
 
@@ -228,10 +231,14 @@ def reference_video(cfg: ModuleConfig, path: Path, frames: int) -> tuple[np.ndar
     out = []
     for i in picks:
         x = all_frames[i].transpose(2, 0, 1)
-        if cfg.resize == "dynamic":
+        if cfg.resize == "dynamic":  # bounds of qwen-vl-utils' fetch_video, not ours
+            lo = QWEN_VL_UTILS_VIDEO_MIN_PIXELS
+            cap = max(
+                min(cfg.video_max_pixels, cfg.video_total_pixels / frames * 2), int(lo * 1.05)
+            )
             x = proc.resize(
                 x,
-                size=SizeDict(shortest_edge=th * tw, longest_edge=th * tw),
+                size=SizeDict(shortest_edge=lo, longest_edge=min(cap, cfg.max_pixels)),
                 resample=Image.BICUBIC,
                 factor=cfg.patch_size * cfg.merge,
             )
@@ -250,16 +257,12 @@ def reference_video(cfg: ModuleConfig, path: Path, frames: int) -> tuple[np.ndar
     return v.reshape(gt * gh * gw, 3 * tp * p * p).numpy(), (gt, gh, gw)
 
 
-QWEN_VL_UTILS_VIDEO_MIN_PIXELS = 128 * 28 * 28
-
-
 def qwen_vl_utils_size(cfg: ModuleConfig, info: decode.VideoInfo, frames: int) -> tuple[int, int]:
     """A frame's size by qwen-vl-utils' ``fetch_video`` rule (VIDEO_MIN_PIXELS 128*28*28, per-frame
     cap ``max(min(VIDEO_MAX_PIXELS, total / frames * 2), 1.05 * min))``, HF's ``smart_resize``).
 
-    The cost model floors a frame at the preset's ``min_pixels`` (3136) instead of 128*28*28: the
-    two agree on clips of at least 100352 pixels per frame, which is what the test checks; smaller
-    clips (2.avi, 320x240) are priced and served smaller than qwen-vl-utils would serve them.
+    The cost model and the worker transform follow the same rule (``tokens.dynamic_pixel_bounds``),
+    small clips (2.avi, 320x240) included.
     """
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
@@ -291,8 +294,7 @@ def test_video_matches_qwen2vl_video_pipeline(preset, videos, shared_data):
         floats = normalize_pixels(torch.from_numpy(raw), meta_of(cfg), video=True).numpy()
         ref, ref_grid = reference_video(cfg, root / name, frames)
         assert grid == ref_grid and grid[0] == -(-frames // cfg.temporal_patch)
-        if info.height * info.width >= QWEN_VL_UTILS_VIDEO_MIN_PIXELS:
-            assert (grid[1] * 14, grid[2] * 14) == qwen_vl_utils_size(cfg, info, frames), name
+        assert (grid[1] * 14, grid[2] * 14) == qwen_vl_utils_size(cfg, info, frames), name
         assert np.prod(grid) // 4 == cost_tokens(cfg, info.height, info.width, frames)
         np.testing.assert_allclose(floats, ref, atol=2e-5, err_msg=name)
 

@@ -42,7 +42,7 @@ from PIL import Image
 
 from entrain_data.errors import InvalidInput
 from entrain_data.presets import ModuleConfig
-from entrain_data.tokens import audio_tokens, smart_resize, vision_tokens
+from entrain_data.tokens import audio_tokens, dynamic_pixel_bounds, smart_resize, vision_tokens
 
 __all__ = ["VisionTransform", "AudioTransform", "SAMPLE_RATE", "tile_canvas", "resize_rgb"]
 
@@ -144,14 +144,9 @@ class VisionTransform:
             return c.image_size, c.image_size
         if c.resize == "tiles":
             return int(height), int(width)
-        max_px = float(c.max_pixels)
-        if frames > 1:  # the cost model's video caps (tokens.vision_tokens), same order of steps
-            cap = float(min(c.video_max_pixels or c.max_pixels, c.max_pixels))
-            if c.video_total_pixels:
-                cap = min(cap, c.video_total_pixels / frames * c.temporal_patch)
-            max_px = max(cap, c.min_pixels)
+        min_px, max_px = dynamic_pixel_bounds(c, np.array([frames]))
         h, w = smart_resize(
-            np.array([height]), np.array([width]), self.patch * self.merge, c.min_pixels, max_px
+            np.array([height]), np.array([width]), self.patch * self.merge, min_px, max_px
         )
         return int(h[0]), int(w[0])
 
