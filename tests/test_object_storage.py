@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import tarfile
 from dataclasses import replace
 
@@ -152,3 +153,19 @@ def test_shard_deleted_mid_epoch(bucket, tmp_path, policy):
     assert len(served) == len(set(served))  # never twice
     assert lost and lost <= gone  # only the deleted shard's samples, and some of them
     assert set(served) | lost == set(table.keys) and not set(served) & lost
+
+
+def test_index_over_plain_https_style_urls(bucket, tmp_path):
+    """``http(s)://`` goes through fsspec's HTTP filesystem: HEAD for the size, Range GETs."""
+    from entrain_data.workers.index_builder import build_index
+    from entrain_data.workers.sources import TarShard
+
+    base = os.environ["AWS_ENDPOINT_URL"]  # moto serves public objects by plain GET as well
+    for name in ("shard-000.tar", "shard-001.tar"):
+        bucket.chmod(f"data/{name}", acl="public-read")
+    table = build_index(f"{base}/data/shard-{{000..001}}.tar", progress=False)
+    local = build_index(str(tmp_path / "shard-{000..001}.tar"), progress=False)
+    assert [replace(r, source="") for r in table] == [replace(r, source="") for r in local]
+    shard = TarShard(f"{base}/data/shard-000.tar")
+    key = shard.keys()[3]
+    assert shard.read(key) == TarShard(str(tmp_path / "shard-000.tar")).read(key)

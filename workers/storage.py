@@ -83,7 +83,20 @@ def open_ranged(path: str, block_size: int = HEADER_BLOCK) -> Any:
     if not is_remote(path):
         return open(path, "rb")  # noqa: SIM115 - the caller owns and closes it
     fs, p = filesystem(path)
-    return fs.open(p, "rb", block_size=block_size, cache_type="readahead")
+    try:
+        return fs.open(p, "rb", block_size=block_size, cache_type="readahead")
+    except Exception as exc:
+        raise _as_oserror(exc) from exc
+
+
+def _as_oserror(exc: Exception) -> OSError:
+    """Backends raise their own errors (aiohttp's ``ClientResponseError`` for an HTTP 403 or
+    500); callers handle ``OSError``, so a failed read becomes one sample error, not a crash."""
+    if isinstance(exc, OSError):
+        return exc
+    err = OSError(f"{type(exc).__name__}: {exc}")
+    err.__cause__ = exc
+    return err
 
 
 def read_range(path: str, start: int, end: int) -> bytes:
@@ -93,7 +106,10 @@ def read_range(path: str, start: int, end: int) -> bytes:
             f.seek(start)
             return f.read(end - start)
     fs, p = filesystem(path)
-    return fs.cat_file(p, start=start, end=end)
+    try:
+        return fs.cat_file(p, start=start, end=end)
+    except Exception as exc:
+        raise _as_oserror(exc) from exc
 
 
 def read_all(path: str) -> bytes:
@@ -102,7 +118,10 @@ def read_all(path: str) -> bytes:
         with open(path, "rb") as f:
             return f.read()
     fs, p = filesystem(path)
-    return fs.cat_file(p)
+    try:
+        return fs.cat_file(p)
+    except Exception as exc:
+        raise _as_oserror(exc) from exc
 
 
 def open_parquet(path: str) -> pq.ParquetFile:
