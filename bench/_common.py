@@ -11,7 +11,8 @@ from entrain_data.cost_model import SampleCosts, per_sample_costs
 from entrain_data.metadata import SampleTable
 from entrain_data.plan_layout import layer_units, stages_for
 from entrain_data.presets import ModelSpec
-from entrain_data.workloads import list_real_workloads, real_workload, synthesize
+from entrain_data.real_workloads import list_real_workloads, real_workload
+from entrain_data.workloads import synthesize
 
 __all__ = ["MODELS", "RESULTS", "SHARED_DATA", "caps", "pick_stages", "tables", "model_costs"]
 

@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from entrain_data.cost_model import ModuleConfig
 from entrain_data.metadata import SampleTable
+from entrain_data.presets import ModuleConfig
 from entrain_data.tokens import audio_tokens, smart_resize
 
 __all__ = [

@@ -52,23 +52,17 @@ from _train_step_model import (  # noqa: E402
     build_vision_inputs,
     item_grids,
 )
+from _train_step_report import MEASURES, print_table, report  # noqa: E402
 
 from entrain_data.assignment import assign  # noqa: E402
-from entrain_data.cost_model import (
-    Calibration,
-    ModelSpec,
-    calibrate,
-    load_module,
-    per_sample_costs,
-)  # noqa: E402
+from entrain_data.cost_model import per_sample_costs  # noqa: E402
 from entrain_data.metadata import SampleTable  # noqa: E402
-from entrain_data.simulator import ideal_iteration_time, lower_bound, simulate_pipeline  # noqa: E402
+from entrain_data.presets import ModelSpec, load_module  # noqa: E402
 from entrain_data.workloads import synthesize  # noqa: E402
 
 __all__ = ["main", "bench_spec"]
 
 log = logging.getLogger("bench.train_step")
-MEASURES = ("encoder_fwd", "encoder_bwd", "llm_fwd", "llm_bwd")
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -194,12 +188,6 @@ def _check_tokens(table: SampleTable, grids: np.ndarray, cfg, costs) -> None:
     merged = per_sample // cfg.merge**2
     if not np.array_equal(merged, costs.vision_tokens):
         raise RuntimeError("bench model vision tokens differ from the cost model's")
-
-
-def _stats(x: np.ndarray) -> dict[str, float]:
-    mean = float(x.mean())
-    std = float(x.std())
-    return {"mean_ms": mean * 1e3, "std_ms": std * 1e3, "cv": std / mean if mean > 0 else 0.0}
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -357,7 +345,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     with _fast_attention(device):
         per = _measure(a, methods, assignments, inputs, encoders, towers, llm, _Timer(device))
-    result = _report(a, spec, table, methods, per, params, device)
+    result = report(a, spec, table, methods, per, params, device)
     result["wall_seconds"] = time.perf_counter() - t_start
     if device.type == "cuda":
         result["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -365,151 +353,9 @@ def main(argv: list[str] | None = None) -> dict:
     a.out.write_text(json.dumps(result, indent=1))
     cal_path = a.out.with_name(a.out.stem + "_calibration.json")
     cal_path.write_text(json.dumps(result["calibration_file"], indent=1))
-    _print_table(result)
+    print_table(result)
     print(f"wrote {a.out} and {cal_path.name} ({result['wall_seconds']:.1f} s)")
     return result
-
-
-def _fit(table, spec, module, groups, seconds, phase) -> dict:
-    keep = [i for i, s in enumerate(seconds) if s > 0 and len(groups[i])]
-    if len(keep) < 2:
-        return {"error": "fewer than 2 non-empty measurements"}
-    fit = calibrate(
-        table, spec, module, [groups[i] for i in keep], [seconds[i] for i in keep], phase=phase
-    ).get("llm" if module == "llm" else module)
-    return fit.to_dict()
-
-
-def _report(a, spec, table, methods, per, params, device) -> dict:
-    out: dict = {
-        "config": {
-            "device": str(device),
-            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-            "torch": torch.__version__,
-            "tiny": a.tiny,
-            "workload": a.workload,
-            "global_batch": a.global_batch,
-            "dp": a.dp,
-            "microbatches": a.microbatches,
-            "iterations": a.iterations,
-            "warmup": a.warmup,
-            "max_tokens": a.max_tokens,
-            "defer_budget": a.defer_budget,
-            "text_scale": a.text_scale,
-            "dtype": a.dtype,
-            "recompute": a.recompute,
-            "seed": a.seed,
-            "methods": methods,
-        },  # fmt: skip
-        "model": {"spec": spec.to_dict(), "parameters": params},
-        "methods": {},
-    }
-    for m in methods:
-        rec = per[m]
-        out["methods"][m] = {
-            k: _stats(np.array([x[k] for x in rec])) for k in MEASURES + ("encoder_bwd_arrival",)
-        }
-        out["methods"][m]["per_encoder"] = {
-            c.name: {
-                k: _stats(np.array([x["per_encoder"][c.name][k] for x in rec]))
-                for k in ("fwd", "bwd", "bwd_arrival")
-            }
-            for c in spec.encoders
-        }
-        out["methods"][m]["microbatches"] = rec
-    if "sequential" in methods:
-        out["std_ratio_vs_sequential"] = {
-            m: {
-                k: out["methods"]["sequential"][k]["std_ms"] / out["methods"][m][k]["std_ms"]
-                if out["methods"][m][k]["std_ms"] > 0
-                else None
-                for k in MEASURES
-            }
-            for m in methods
-            if m != "sequential"
-        }
-    # calibration on every measured microbatch of every method
-    allrec = [x for m in methods for x in per[m]]
-    cal: dict = {}
-    series = [
-        (c.name, "encoder_rows", [x["per_encoder"][c.name] for x in allrec]) for c in spec.encoders
-    ] + [("llm", "llm_rows", [{"fwd": x["llm_fwd"], "bwd": x["llm_bwd"]} for x in allrec])]
-    for module, rows_key, times in series:
-        groups = [x[rows_key] for x in allrec]
-        fwd = [t["fwd"] for t in times]
-        step = [t["fwd"] + t["bwd"] for t in times]
-        cal[module] = {
-            "forward": _fit(table, spec, module, groups, fwd, "forward"),
-            "step": _fit(table, spec, module, groups, step, "step"),
-        }
-    out["calibration"] = cal
-    # the step fits, in the form `entrain-data profile/plan --calibration` reads
-    step_fits = {m: d["step"] for m, d in cal.items() if "error" not in d["step"]}
-    out["calibration_file"] = Calibration.from_dict(
-        {"hardware": f"measured:{out['config']['gpu'] or device}", "modules": step_fits}
-    ).to_dict()
-    # pipeline simulation: 1 encoder stage + K LLM stages (LLM times split evenly)
-    sim: dict = {}
-    for k in [int(s) for s in a.llm_stages.split(",") if s.strip()]:
-        sim[str(k)] = {}
-        for m in methods:
-            times, ideals, bounds = [], [], []
-            for it in range(a.iterations):
-                fwd = np.zeros((a.dp, a.microbatches, 1 + k))
-                bwd = np.zeros_like(fwd)
-                for x in per[m]:
-                    if x["iteration"] != it:
-                        continue
-                    r, j = x["replica"], x["microbatch"]
-                    fwd[r, j, 0], bwd[r, j, 0] = x["encoder_fwd"], x["encoder_bwd_arrival"]
-                    fwd[r, j, 1:], bwd[r, j, 1:] = x["llm_fwd"] / k, x["llm_bwd"] / k
-                times.append(simulate_pipeline(fwd, bwd, "1f1b").iteration_time)
-                ideals.append(ideal_iteration_time(fwd, bwd, "1f1b"))
-                bounds.append(lower_bound(fwd, bwd))
-            sim[str(k)][m] = {
-                "iteration_time_s": float(np.mean(times)),
-                "ideal_s": float(np.mean(ideals)),
-                "lower_bound_s": float(np.mean(bounds)),
-            }
-        if "sequential" in methods:
-            base = sim[str(k)]["sequential"]["iteration_time_s"]
-            for m in methods:
-                t = sim[str(k)][m]["iteration_time_s"]
-                sim[str(k)][m]["speedup_vs_sequential"] = base / t if t > 0 else None
-    out["simulation"] = sim
-    return out
-
-
-def _print_table(res: dict) -> None:
-    c = res["config"]
-    print(
-        f"\ntrain_step: {c['workload']} on {c['gpu'] or c['device']}, model "
-        f"{res['model']['spec']['name']} ("
-        + " + ".join(f"{v / 1e6:.1f}M" for v in res["model"]["parameters"].values())
-        + f"), gb {c['global_batch']}, dp {c['dp']}, "
-        f"{c['microbatches']} microbatches, {c['iterations']} iteration(s)"
-    )
-    hdr = f"{'method':<22}" + "".join(f"{k + ' mean/std ms':>26}" for k in MEASURES)
-    print(hdr)
-    for m, s in res["methods"].items():
-        cells = "".join(f"{s[k]['mean_ms']:>15.2f} /{s[k]['std_ms']:>9.2f}" for k in MEASURES)
-        print(f"{m:<22}{cells}")
-    for m, r in res.get("std_ratio_vs_sequential", {}).items():
-        cells = "".join(f"{r[k]:>26.2f}" if r[k] is not None else f"{'-':>26}" for k in MEASURES)
-        print(f"std sequential/{m:<11}" + cells)
-    print("cost-model fit (rel RMS error, R^2):")
-    for mod, d in res["calibration"].items():
-        for phase, f in d.items():
-            txt = f.get("error") or f"rel_rms {f['rel_rms']:.3f}  R^2 {f['r2']:.3f}"
-            print(f"  {mod:<28}{phase:<9}{txt}")
-    print("simulated 1F1B iteration (1 encoder stage + K LLM stages), seconds:")
-    for k, d in res["simulation"].items():
-        cells = "  ".join(
-            f"{m} {v['iteration_time_s']:.4f}"
-            + (f" (x{v['speedup_vs_sequential']:.2f})" if "speedup_vs_sequential" in v else "")
-            for m, v in d.items()
-        )
-        print(f"  K={k}: {cells}")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 
+from . import __version__
 from .errors import EntrainError
 
 __all__ = ["main", "build_parser"]
@@ -40,6 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="entrain-data", description=__doc__.splitlines()[0])
     parser.add_argument(
         "-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)"
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"entrain-data {__version__}",
+        help="print the version",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True

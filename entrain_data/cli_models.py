@@ -14,17 +14,13 @@ from pathlib import Path
 import numpy as np
 
 from .calibration import Calibration
-from .cost_model import ModelSpec, calibrate, list_presets, load_module
+from .cost_model import calibrate
 from .errors import InvalidInput
 from .metadata import read_index, write_index
+from .presets import ModelSpec, list_presets, load_module
 from .profiler import macro_profile
-from .workloads import (
-    describe_workload,
-    list_real_workloads,
-    list_workloads,
-    real_workload,
-    synthesize,
-)
+from .real_workloads import list_real_workloads, real_workload
+from .workloads import describe_workload, list_workloads, synthesize
 
 __all__ = [
     "cmd_calibrate",

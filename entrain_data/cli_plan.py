@@ -62,6 +62,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         seed=args.seed,
         schedule=args.schedule,
         calibration=cal.to_dict() if cal is not None else None,
+        max_tokens=args.max_tokens,
     )
     print(format_plan(plan))
     out = plan.save(Path(args.output))
@@ -82,6 +83,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=int, help="pin the tensor-parallel degree")
     p.add_argument("--pp", type=int, help="pin the pipeline degree")
     p.add_argument("--microbatches", type=int, help="pin the microbatches per iteration")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        metavar="T",
+        help="pin the LLM token cap of a microbatch (default: derived so every global batch of "
+        "the index fits; a cap some sample or heavy batch exceeds is refused at plan time)",
+    )
     p.add_argument("--batches", type=int, default=8, metavar="K", help="profiled global batches")
     p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
     p.add_argument("--seed", type=int, default=0)

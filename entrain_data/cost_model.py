@@ -29,19 +29,13 @@ import numpy as np
 from .calibration import Calibration, ModuleFit, fit_coefficients
 from .errors import InvalidInput
 from .metadata import SampleTable
-from .presets import ModelSpec, ModuleConfig, list_presets, load_module
+from .presets import ModelSpec, ModuleConfig
 from .tokens import ItemTokens, audio_tokens, vision_tokens
 
 __all__ = [
     "Hardware",
     "H100_BF16",
-    "ModuleConfig",
-    "ModelSpec",
     "SampleCosts",
-    "Calibration",
-    "ModuleFit",
-    "list_presets",
-    "load_module",
     "per_sample_costs",
     "module_features",
     "calibrate",

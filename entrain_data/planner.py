@@ -53,6 +53,13 @@ from .simulator import (
     stage_sample_costs,
     times_from_sample_costs,
 )
+from .token_caps import (
+    check_token_cap,
+    heavy_batch_tokens,
+    pinned_cap_error,
+    share_need,
+    token_caps,
+)
 
 __all__ = [
     "make_plan",
@@ -144,13 +151,15 @@ def make_plan(
     calibration: dict | None = None,
     costs: SampleCosts | None = None,
     profile: MacroProfile | None = None,
+    max_tokens: int | None = None,
 ) -> ParallelPlan:
     """Search the feasible layouts for ``model`` on ``cluster`` and return the static plan.
 
     ``profile`` (a :class:`~entrain_data.profiler.MacroProfile` of ``table``)
     supplies the global batches to score on; otherwise ``batches`` global
     batches of ``global_batch`` samples are drawn with ``seed``. ``dp``, ``tp``,
-    ``pp`` and ``microbatches`` pin parts of the layout. Raises
+    ``pp`` and ``microbatches`` pin parts of the layout; ``max_tokens`` pins the LLM token cap of
+    a microbatch (else it is derived so that every global batch of the index fits). Raises
     :class:`~entrain_data.errors.PlanError` naming why when nothing fits.
     """
     t0 = time.perf_counter()
@@ -165,11 +174,25 @@ def make_plan(
         raise InvalidInput(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     costs = costs if costs is not None else per_sample_costs(table, model, calibration=calibration)
     tok = costs.llm_tokens.astype(np.int64)
-    ctx = _Context(model, cluster, global_batch, tok[idx], int(tok.max()), _enc_tokens(costs, idx))
+    check_token_cap(table.keys, tok, max_tokens)
+    ctx = _Context(
+        model,
+        cluster,
+        global_batch,
+        tok[idx],
+        int(tok.max()),
+        _enc_tokens(costs, idx),
+        heavy_batch_tokens(tok, global_batch, seed),
+        max_tokens,
+    )
     cands, smallest_need = _candidates(
         ctx, layer_units(model, costs, idx), dp, tp, pp, microbatches, schedule
     )
     if not cands:
+        if max_tokens is not None:
+            raise pinned_cap_error(
+                max_tokens, _share_need(ctx, dp or 1, microbatches or 1), dp, microbatches
+            )
         if smallest_need is math.inf:
             raise PlanError(
                 f"no layout of {cluster.world_size} GPUs meets the constraints (dp={dp}, tp={tp}, "
@@ -255,6 +278,8 @@ class _Context:
     tokens_b: np.ndarray  # [K, B] LLM tokens of the profiled batches
     largest_sample: int  # LLM tokens of the table's largest sample
     enc_tokens_b: np.ndarray  # [K, B] encoder tokens (all encoders)
+    heavy_batch: int  # LLM tokens of the heaviest global batch of a few epochs of the table
+    max_tokens: int | None = None  # the user's token cap, if pinned
 
 
 def _profiled_batches(
@@ -298,17 +323,14 @@ def _enc_tokens(costs: SampleCosts, idx: np.ndarray) -> np.ndarray:
 
 
 def _caps(ctx: _Context, dp: int, m: int) -> tuple[int, int]:
-    """Token cap and deferral budget of a microbatch for (dp, m).
+    """Token cap and deferral budget of a microbatch for (dp, m) (see :mod:`.token_caps`)."""
+    heavy = max(int(ctx.tokens_b.sum(axis=1).max()), ctx.heavy_batch)
+    return token_caps(heavy, ctx.largest_sample, dp, m, ctx.max_tokens)
 
-    The cap leaves 1.5x the heaviest profiled batch's mean microbatch so the
-    assignment has room to balance cost (not tokens), and never falls below the
-    table's largest sample (no sample may be unassignable). The deferral budget
-    buffers about two mean microbatches of encoder output.
-    """
-    per_mb = ctx.tokens_b.sum(axis=1).max() / (dp * m)
-    cap = max(ctx.largest_sample, int(math.ceil(1.5 * per_mb)))
-    cap = int(math.ceil(cap / 256) * 256)
-    return cap, int(math.ceil(2 * per_mb))
+
+def _share_need(ctx: _Context, dp: int, m: int) -> int:
+    heavy = max(int(ctx.tokens_b.sum(axis=1).max()), ctx.heavy_batch)
+    return share_need(heavy, ctx.largest_sample, dp, m)
 
 
 def _candidates(
@@ -363,6 +385,8 @@ def _candidates(
                 params = params_cache[p, k]
                 for mm in ms:
                     cap, budget = _caps(ctx, d, mm)
+                    if ctx.max_tokens is not None and cap < _share_need(ctx, d, mm):
+                        continue  # a pinned cap this layout's microbatches cannot serve
                     enc_tokens = int(math.ceil(1.5 * enc_tok.sum(axis=1).max() / (d * mm)))
                     enc_tokens = max(enc_tokens, int(enc_tok.max()))
                     for rc in (False, True):  # recompute only when the layout needs it

@@ -71,6 +71,10 @@ class ModuleConfig:
     window_patches: int = 0
     full_attention_layers: tuple[int, ...] = ()
     in_channels: int = 3
+    # pixel normalisation of the published processor, (x / 255 - mean) / std per channel; it runs on
+    # the training device (pixels travel as uint8), so the values travel with every microbatch
+    image_mean: tuple[float, ...] = (0.48145466, 0.4578275, 0.40821073)  # OpenAI CLIP / Qwen2-VL
+    image_std: tuple[float, ...] = (0.26862954, 0.26130258, 0.27577711)
     # audio
     n_mels: int = 0
     audio_frame_rate: float = 100.0
@@ -125,6 +129,13 @@ class ModuleConfig:
                 )
             if self.max_tiles < 1:
                 raise InvalidInput(f"module {self.name!r}: field 'max_tiles' must be >= 1")
+            for f in ("image_mean", "image_std"):
+                v = getattr(self, f)
+                if len(v) != self.in_channels or (f == "image_std" and min(v) <= 0):
+                    raise InvalidInput(
+                        f"module {self.name!r}: field {f!r} needs {self.in_channels} values"
+                        + (" > 0" if f == "image_std" else "")
+                    )
         if self.kind == "audio" and (
             self.n_mels < 1 or self.audio_frame_rate <= 0 or self.audio_window_seconds <= 0
         ):
@@ -197,6 +208,8 @@ class ModuleConfig:
         """JSON-ready form (plans embed the model they were made for)."""
         d = asdict(self)
         d["full_attention_layers"] = list(self.full_attention_layers)
+        d["image_mean"] = list(self.image_mean)
+        d["image_std"] = list(self.image_std)
         return d
 
     @classmethod
@@ -216,6 +229,12 @@ class ModuleConfig:
             raise InvalidInput(f"{origin}: missing field(s) {', '.join(map(repr, missing))}")
         d = dict(d)
         d["full_attention_layers"] = tuple(int(i) for i in d.get("full_attention_layers", ()))
+        for f in ("image_mean", "image_std"):
+            if f in d:
+                try:
+                    d[f] = tuple(float(x) for x in d[f])
+                except (TypeError, ValueError) as exc:
+                    raise InvalidInput(f"{origin}: field {f!r} must be a list of numbers") from exc
         try:
             return cls(**d)
         except TypeError as exc:  # pragma: no cover - guarded by the field checks above

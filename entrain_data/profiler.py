@@ -21,11 +21,19 @@ from typing import Any
 
 import numpy as np
 
-from .cost_model import Calibration, Hardware, ModelSpec, SampleCosts, per_sample_costs
+from .calibration import Calibration
+from .cost_model import Hardware, SampleCosts, per_sample_costs
 from .errors import InvalidInput
 from .metadata import SampleTable
+from .presets import ModelSpec
 
-__all__ = ["MacroProfile", "macro_profile", "module_costs", "PROFILE_SCHEMA_VERSION"]
+__all__ = [
+    "MacroProfile",
+    "macro_profile",
+    "module_costs",
+    "format_seconds",
+    "PROFILE_SCHEMA_VERSION",
+]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +53,17 @@ def _cv(x: np.ndarray, axis: int = 0) -> np.ndarray:
 def module_costs(costs: SampleCosts) -> np.ndarray:
     """[N, M] training seconds (forward + backward) of every module: encoders, then the LLM."""
     return np.concatenate([costs.encoder_cost(), costs.llm_cost()[:, None]], axis=1)
+
+
+def format_seconds(seconds: float) -> str:
+    """A duration with 4 significant digits in s, ms or us: the demo's tiny model spends
+    microseconds per batch and a paper-scale one seconds; one fixed format hides one of them."""
+    s = float(seconds)
+    if abs(s) >= 1.0:
+        return f"{s:.4g} s"
+    if abs(s) >= 1e-3:
+        return f"{s * 1e3:.4g} ms"
+    return f"{s * 1e6:.4g} us"
 
 
 @dataclass(frozen=True, eq=False)
@@ -183,12 +202,12 @@ class MacroProfile:
         w = max(12, *(len(n) for n in self.module_names))
         lines = [
             f"macro profile: {self.batches} global batches of {b} samples (population {self.population}, seed {self.seed})",
-            f"{'module':<{w}}  {'mean s/batch':>12}  {'share':>6}  {'batch CV':>9}  {'1/sqrt(B) law':>13}  {'sample CV':>9}",
+            f"{'module':<{w}}  {'mean/batch':>12}  {'share':>6}  {'batch CV':>9}  {'1/sqrt(B) law':>13}  {'sample CV':>9}",
         ]
         share = self.share()
         for m, name in enumerate(self.module_names):
             lines.append(
-                f"{name:<{w}}  {self.mean[m]:12.4f}  {share[m]:6.1%}  {self.cv[m]:9.4f}  {law[m]:13.4f}  {self.sample_cv[m]:9.3f}"
+                f"{name:<{w}}  {format_seconds(self.mean[m]):>12}  {share[m]:6.1%}  {self.cv[m]:9.4f}  {law[m]:13.4f}  {self.sample_cv[m]:9.3f}"
             )
         if len(self.module_names) > 1:
             lines.append(

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -33,8 +32,6 @@ __all__ = [
     "list_workloads",
     "synthesize",
     "describe_workload",
-    "list_real_workloads",
-    "real_workload",
 ]
 
 CHARS_PER_TOKEN = 4.0
@@ -361,17 +358,3 @@ def synthesize(name: str, samples: int, seed: int = 0) -> SampleTable:
     merged = SampleTable.concat(tables)
     order = np.argsort(np.concatenate(positions), kind="stable")
     return merged.take(order)
-
-
-def list_real_workloads() -> list[str]:
-    """Names of the tables built from the real metadata CSVs (see :mod:`entrain_data.real_workloads`)."""
-    from .real_workloads import list_real_workloads as _list
-
-    return _list()
-
-
-def real_workload(name: str, data_dir: str | Path) -> SampleTable:
-    """A table built directly from the real metadata CSVs under ``data_dir`` (``shared/data``)."""
-    from .real_workloads import real_workload as _real
-
-    return _real(name, data_dir)

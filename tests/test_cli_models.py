@@ -233,7 +233,8 @@ def test_synth_real_table_subsampled(shared_data, tmp_path, capsys):
 def test_calibrate_fits_measurements_and_profile_applies_them(tmp_path, capsys):
     import numpy as np
 
-    from entrain_data.cost_model import ModelSpec, module_features
+    from entrain_data.cost_model import module_features
+    from entrain_data.presets import ModelSpec
 
     idx = tmp_path / "t.parquet"
     assert (

@@ -14,18 +14,15 @@ from entrain_data.calibration import Calibration, fit_coefficients
 from entrain_data.cost_model import (
     H100_BF16,
     Hardware,
-    ModelSpec,
-    ModuleConfig,
     attention_flops_coeff,
     calibrate,
     layer_linear_flops,
-    list_presets,
-    load_module,
     module_features,
     per_sample_costs,
 )
 from entrain_data.errors import InvalidInput
 from entrain_data.metadata import SampleMeta, SampleTable, VisionItem
+from entrain_data.presets import ModelSpec, ModuleConfig, list_presets, load_module
 from entrain_data.tokens import internvl_tiles, smart_resize
 
 REQUIRED = [

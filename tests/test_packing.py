@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from entrain_data.workers import decode, packing
 from entrain_data.workers.demo_data import write_demo_dataset
 from entrain_data.workers.index_builder import build_index
@@ -22,9 +23,11 @@ from entrain_data.workers.packing import (
 from entrain_data.workers.tokenizer import BYTE_OFFSET, ByteTokenizer
 from entrain_data.workers.transforms import AudioTransform, VisionTransform
 
-from entrain_data.cost_model import ModelSpec, load_module, per_sample_costs
+from entrain_data.batch import normalize_pixels
+from entrain_data.cost_model import per_sample_costs
 from entrain_data.errors import InvalidInput, SampleError
 from entrain_data.metadata import write_index
+from entrain_data.presets import ModelSpec, load_module
 
 # a light vision config so the tests stay fast: same geometry rules as the preset, smaller pages
 VISION = replace(load_module("qwen2.5-vl-vision"), max_pixels=256 * 28 * 28)
@@ -83,7 +86,12 @@ def test_full_pack_matches_cost_model_and_encoder(demo):
     _check_invariants(t, out.llm_keys, rows, table, packer)
     # vision: patches per item = t*h*w of its grid; encoder output after merging = placeholders
     grid = t["image_grid_thw"]
-    assert t["pixel_values"].shape == (int(grid.prod(axis=1).sum()), 3 * 2 * 14 * 14)
+    # uint8 on the wire, one temporal copy; Microbatch.to fills the temporal patch as float32
+    assert t["pixel_values"].dtype == np.uint8
+    assert t["pixel_values"].shape == (int(grid.prod(axis=1).sum()), 3 * 14 * 14)
+    dev = normalize_pixels(torch.from_numpy(t["pixel_values"]), out.meta, video=False)
+    assert dev.dtype == torch.float32 and dev.shape == (len(t["pixel_values"]), 3 * 2 * 14 * 14)
+    assert out.meta["patch_dim"] == 3 * 2 * 14 * 14 and out.meta["temporal_patch"] == 2
     merged = grid.prod(axis=1) // VISION.merge**2
     per_sample = np.bincount(t["image_sample"], weights=merged, minlength=len(rows))
     assert np.array_equal(per_sample.astype(np.int64), t["llm_vision_tokens"])
@@ -215,9 +223,13 @@ def test_patch_layout_is_qwen2vl():
     vt = VisionTransform(replace(VISION, patch_size=2, merge=2, temporal_patch=2))
     rng = np.random.default_rng(0)
     img = rng.integers(0, 256, size=(8, 12, 3), dtype=np.uint8)
-    patches, grid = vt.patchify(img)
-    assert grid == (1, 4, 6) and patches.shape == (24, 3 * 2 * 2 * 2)
-    norm = ((img / 255.0 - packing_mean()) / packing_std()).astype(np.float32)
+    raw, grid = vt.encode_image(img)
+    assert grid == (1, 4, 6) and raw.shape == (24, 3 * 2 * 2) and raw.dtype == np.uint8
+    meta = {"pixel_mean": VISION.image_mean, "pixel_std": VISION.image_std, "temporal_patch": 2}
+    patches = normalize_pixels(torch.from_numpy(raw), meta, video=False).numpy()
+    assert patches.shape == (24, 3 * 2 * 2 * 2)
+    mean, std = np.array(VISION.image_mean), np.array(VISION.image_std)
+    norm = ((img / 255.0 - mean) / std).astype(np.float32)
     k = 0
     for bh in range(2):  # merge windows are contiguous: (block row, block col, i, j)
         for bw in range(3):
@@ -229,20 +241,10 @@ def test_patch_layout_is_qwen2vl():
                     assert np.allclose(got[:, 0], want, atol=1e-5)
                     assert np.allclose(got[:, 1], want, atol=1e-5)  # still image: frame repeated
                     k += 1
+    # a side that is no multiple of patch*merge: the remainder is dropped (as a strided conv)
+    assert vt.encode_image(img[:7])[1] == (1, 2, 6)
     with pytest.raises(InvalidInput):
-        vt.patchify(img[:7])
-
-
-def packing_mean():
-    from entrain_data.workers.transforms import IMAGE_MEAN
-
-    return IMAGE_MEAN
-
-
-def packing_std():
-    from entrain_data.workers.transforms import IMAGE_STD
-
-    return IMAGE_STD
+        vt.encode_image(img[:3])
 
 
 def test_log_mel_features():
@@ -271,8 +273,10 @@ def test_tokenizer_and_encoder_resolution():
     assert (v.name, a.name) == (packing.DEFAULT_VISION, packing.DEFAULT_AUDIO)
     v, a = resolve_encoders(MODEL.to_dict())
     assert v.max_pixels == VISION.max_pixels
-    with pytest.raises(InvalidInput):
-        VisionTransform(load_module("internvit-300m"))
+    VisionTransform(load_module("internvit-300m"))  # tiles: served since issue 14
+    four = replace(VISION, in_channels=4, image_mean=(0.5,) * 4, image_std=(0.5,) * 4)
+    with pytest.raises(InvalidInput, match="in_channels"):
+        VisionTransform(four)
 
 
 def test_user_transform_hook(demo):
@@ -364,3 +368,23 @@ def test_tokenizer_by_name_and_object(demo):
     costs = per_sample_costs(words_table.take([0, 1, 2]), MODEL)
     assert np.array_equal(lens, costs.llm_tokens)  # same tokenizer in index and packer: exact
     assert out.meta["image_token_id"] == 1000
+
+
+def test_unservable_configuration_fails_at_construction(demo):
+    """One InvalidInput line from the constructor (the service builds one before any worker)."""
+    index, _ = demo
+    four = replace(VISION, in_channels=4, image_mean=(0.5,) * 4, image_std=(0.5,) * 4)
+    cases = [
+        ({"vision": four}, "in_channels"),
+        ({"vision": {**VISION.to_dict(), "resize_mode": "x"}}, "unknown field"),
+        ({"vision": "no-such-encoder"}, "unknown model preset"),
+        ({"audio": VISION}, "AudioTransform needs an audio module"),
+        ({"vision": AUDIO}, "VisionTransform needs a vision module"),
+        ({"on_error": "ignore"}, "on_error"),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(InvalidInput, match=match) as exc:
+            make_packer(str(index), **kwargs)
+        assert "\n" not in str(exc.value)
+    for preset in ("siglip-so400m", "internvit-300m", "qwen2.5-vl-vision-1280"):
+        make_packer(str(index), vision=preset)  # every vision preset is served

@@ -7,8 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from entrain_data.cost_model import ModelSpec, per_sample_costs
+from entrain_data.cost_model import per_sample_costs
 from entrain_data.errors import InvalidInput
+from entrain_data.presets import ModelSpec
 from entrain_data.profiler import MacroProfile, macro_profile, module_costs
 from entrain_data.workloads import synthesize
 
@@ -67,3 +68,13 @@ def test_bad_batch_arguments(table):
         macro_profile(table, SPEC, 0)
     with pytest.raises(InvalidInput, match="batches"):
         macro_profile(table, SPEC, 8, batches=0)
+
+
+def test_table_shows_small_and_large_batch_times_in_readable_units(table):
+    from entrain_data.profiler import format_seconds
+
+    assert format_seconds(2.5) == "2.5 s"
+    assert format_seconds(0.0123) == "12.3 ms"
+    assert format_seconds(4.2e-5) == "42 us"
+    text = macro_profile(table, SPEC, 128, batches=4, seed=0).format_table()
+    assert "0.0000" not in text.split("batch-sum CV")[0]

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from entrain_data import workload_tables as T
-from entrain_data.cost_model import ModelSpec, per_sample_costs
+from entrain_data.cost_model import per_sample_costs
 from entrain_data.errors import InvalidInput
 from entrain_data.metadata import read_index, write_index
+from entrain_data.presets import ModelSpec
 from entrain_data.workloads import CHARS_PER_TOKEN, list_workloads, synthesize
 
 NAMES = ["llava-fixed", "qwen2vl-dynamic", "multi-image-video", "vision-audio", "text-heavy"]
@@ -106,7 +107,7 @@ def test_bad_arguments():
 
 @pytest.mark.shared_data
 def test_real_workloads_build_from_shared_metadata(shared_data):
-    from entrain_data.workloads import list_real_workloads, real_workload
+    from entrain_data.real_workloads import list_real_workloads, real_workload
 
     names = list_real_workloads()
     assert {
@@ -137,7 +138,7 @@ def test_real_workloads_build_from_shared_metadata(shared_data):
 
 
 def test_real_workload_missing_dir(tmp_path):
-    from entrain_data.workloads import real_workload
+    from entrain_data.real_workloads import real_workload
 
     with pytest.raises(InvalidInput, match="not found"):
         real_workload("librispeech", tmp_path / "nowhere")
@@ -146,7 +147,7 @@ def test_real_workload_missing_dir(tmp_path):
 @pytest.mark.shared_data
 def test_synthetic_llava_matches_the_real_table(shared_data):
     """The quantile-table generator reproduces the real LLaVA-Instruct text lengths (mean, spread)."""
-    from entrain_data.workloads import real_workload
+    from entrain_data.real_workloads import real_workload
 
     real = real_workload("llava-instruct", shared_data).text_tokens.astype(float)
     synth = synthesize("llava-fixed", 50000, seed=0).text_tokens.astype(float)

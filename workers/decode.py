@@ -1,12 +1,21 @@
-"""Decoding sample members: images (PIL), audio (soundfile), text and conversation JSON.
+"""Decoding sample members: images (PIL), audio (soundfile), video (PyAV), text and conversation JSON.
 
 Public API (stable; used by the index builder and the packer):
 
-- ``member_kind(ext) -> "image" | "audio" | "text" | None`` from a member's extension
-  (``jpg``, ``0.png``, ``txt``, ``txt.gz``, ``json`` ...); a ``.gz`` suffix is decompressed.
+- ``member_kind(ext) -> "image" | "audio" | "video" | "text" | None`` from a member's extension
+  (``jpg``, ``0.png``, ``mp4``, ``txt``, ``txt.gz``, ``json`` ...); a ``.gz`` suffix is decompressed.
 - ``image_size(data) -> (height, width)``: from the header only (PIL opens lazily).
-- ``decode_image(data, size=None) -> uint8 [H, W, 3]``: RGB, resized to ``size`` = (H, W); JPEGs
-  that shrink use PIL's draft mode (DCT scaling), several times faster than a full decode.
+- ``decode_image(data, size=None, draft=False) -> uint8 [H, W, 3]``: RGB (transparency composited
+  onto white, as the ``transformers`` processors do), resized with PIL's bicubic filter to
+  ``size`` = (H, W). ``draft=True`` lets JPEGs that shrink decode in PIL's draft mode (DCT
+  scaling): several times faster on big pages, but the pixels then differ from the published
+  processors', so it is off by default.
+- ``probe_video(data) -> VideoInfo``: duration, fps, frame count, height, width from the container
+  header (PyAV; no frame is decoded). ``sampled_frames(seconds)``: the cost model's video rule
+  (``VIDEO_FPS`` frames per second, clipped to [``VIDEO_MIN_FRAMES``, ``VIDEO_MAX_FRAMES``]).
+- ``decode_video(data, frames, size=None) -> list[uint8 [H, W, 3]]``: ``frames`` frames sampled
+  uniformly as Qwen2-VL's video processor samples them (``arange(0, total, total / frames)``),
+  each resized (bicubic) to ``size``.
 - ``audio_seconds(data) -> float``: duration from the header (soundfile; ``wave`` as fallback).
 - ``decode_audio(data, sample_rate=16000) -> float32 [n]``: mono, resampled (linear interpolation).
 - ``text_segments(members) -> list[TextSegment]``: the sample's text as (text, loss) segments; a
@@ -24,6 +33,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import math
 import wave
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -33,9 +43,16 @@ import numpy as np
 import soundfile as sf
 from PIL import Image, UnidentifiedImageError
 
+from entrain_data.workloads import VIDEO_FPS, VIDEO_MAX_FRAMES, VIDEO_MIN_FRAMES
+
 __all__ = [
     "IMAGE_EXTS",
     "AUDIO_EXTS",
+    "VIDEO_EXTS",
+    "VideoInfo",
+    "probe_video",
+    "sampled_frames",
+    "decode_video",
     "TEXT_EXTS",
     "TextSegment",
     "member_kind",
@@ -49,6 +66,7 @@ __all__ = [
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm", "pgm")
 AUDIO_EXTS = ("wav", "flac", "mp3", "ogg", "opus")
+VIDEO_EXTS = ("mp4", "avi", "mkv", "webm", "mov", "m4v", "mpeg", "mpg")
 TEXT_EXTS = ("txt", "text", "caption", "json", "cls")
 _ASSISTANT_ROLES = ("gpt", "assistant", "model", "bot")
 
@@ -77,6 +95,8 @@ def member_kind(ext: str) -> str | None:
         return "image"
     if e in AUDIO_EXTS:
         return "audio"
+    if e in VIDEO_EXTS:
+        return "video"
     if e in TEXT_EXTS:
         return "text"
     return None
@@ -110,14 +130,25 @@ def image_size(data: bytes) -> tuple[int, int]:
     return int(h), int(w)
 
 
-def decode_image(data: bytes, size: tuple[int, int] | None = None) -> np.ndarray:
+def _to_rgb(im: Image.Image) -> Image.Image:
+    """RGB, any transparency composited onto white (``transformers.image_transforms.convert_to_rgb``)."""
+    if "A" in im.getbands() or im.info.get("transparency") is not None:
+        im = im.convert("RGBA")
+        white = Image.new("RGBA", im.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, im).convert("RGB")
+    return im.convert("RGB")
+
+
+def decode_image(
+    data: bytes, size: tuple[int, int] | None = None, draft: bool = False
+) -> np.ndarray:
     """RGB uint8 [H, W, 3], resized (bicubic) to ``size`` = (H, W) when given."""
     try:
         with Image.open(io.BytesIO(data)) as im:
-            if size is not None and im.format == "JPEG":
+            if draft and size is not None and im.format == "JPEG":
                 # DCT-domain downscale to at least the target: big pages decode several times faster
                 im.draft("RGB", (size[1], size[0]))
-            im = im.convert("RGB")
+            im = _to_rgb(im)
             if size is not None and (im.height, im.width) != tuple(size):
                 im = im.resize((int(size[1]), int(size[0])), Image.BICUBIC)
             arr = np.asarray(im, dtype=np.uint8)
@@ -130,6 +161,97 @@ def decode_image(data: bytes, size: tuple[int, int] | None = None) -> np.ndarray
     ) as exc:
         raise ValueError(f"image does not decode ({exc})") from exc
     return arr
+
+
+@dataclass(frozen=True)
+class VideoInfo:
+    """What a container header says about its first video stream."""
+
+    seconds: float
+    fps: float
+    frames: int  # 0 when the header does not count them
+    height: int
+    width: int
+
+
+def _open_video(data: bytes) -> Any:
+    import av  # imported here: only video members need it
+
+    try:
+        return av.open(io.BytesIO(data))
+    except (av.FFmpegError, ValueError, OSError) as exc:
+        raise ValueError(f"not a readable video container ({exc})") from exc
+
+
+def probe_video(data: bytes) -> VideoInfo:
+    """Duration, fps, frame count and size from the container header (no frame decoded)."""
+    with _open_video(data) as c:
+        if not c.streams.video:
+            raise ValueError("video container has no video stream")
+        s = c.streams.video[0]
+        fps = float(s.average_rate or s.guessed_rate or 0.0)
+        if s.duration is not None and s.time_base is not None:
+            seconds = float(s.duration * s.time_base)
+        elif c.duration is not None:
+            seconds = c.duration / 1_000_000
+        else:
+            seconds = s.frames / fps if s.frames and fps else 0.0
+        h, w = int(s.codec_context.height), int(s.codec_context.width)
+        n = int(s.frames or 0)
+    if seconds <= 0 or h < 1 or w < 1:
+        raise ValueError(f"video header gives {seconds:.3f} s of {w}x{h} pixels")
+    return VideoInfo(seconds, fps, n, h, w)
+
+
+def sampled_frames(seconds: float) -> int:
+    """Frames a clip contributes: the cost model's rule (workloads.VIDEO_FPS, MIN/MAX frames)."""
+    return int(min(max(round(seconds * VIDEO_FPS), VIDEO_MIN_FRAMES), VIDEO_MAX_FRAMES))
+
+
+def _picks(total: int, frames: int) -> list[int]:
+    step = total / frames  # Qwen2-VL's video processor: arange(0, total, total / frames).int()
+    return [min(int(math.floor(i * step)), total - 1) for i in range(frames)]
+
+
+def _decode_picks(data: bytes, picks: list[int]) -> tuple[dict[int, Image.Image], int]:
+    """The picked frames as RGB images (only those are converted) and the frames decoded."""
+    import av
+
+    wanted, got, total = set(picks), {}, 0
+    with _open_video(data) as c:
+        if not c.streams.video:
+            raise ValueError("video container has no video stream")
+        try:
+            for i, f in enumerate(c.decode(video=0)):
+                if i in wanted:
+                    got[i] = f.to_image()
+                total = i + 1
+        except (av.FFmpegError, ValueError) as exc:
+            raise ValueError(f"video does not decode ({exc})") from exc
+    return got, total
+
+
+def decode_video(data: bytes, frames: int, size: tuple[int, int] | None = None) -> list[np.ndarray]:
+    """``frames`` RGB frames sampled uniformly over the clip, resized (bicubic) to ``size``.
+
+    The frame count of the header picks the frames in one decoding pass; when the stream decodes
+    to another count (headers may not count, or miscount), a second pass uses the real one.
+    """
+    header = probe_video(data).frames
+    picks = _picks(header, frames) if header else []
+    got, total = _decode_picks(data, picks)
+    if total == 0:
+        raise ValueError("video has no decodable frame")
+    if total != header:
+        picks = _picks(total, frames)
+        got, total = _decode_picks(data, picks)
+    out = []
+    for i in picks:
+        im = got[i].convert("RGB")
+        if size is not None and (im.height, im.width) != tuple(size):
+            im = im.resize((int(size[1]), int(size[0])), Image.BICUBIC)
+        out.append(np.asarray(im, dtype=np.uint8))
+    return out
 
 
 def audio_seconds(data: bytes) -> float:

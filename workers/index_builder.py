@@ -15,8 +15,9 @@ skipped=None) -> SampleTable``
   headers (soundfile; ``wave`` as fallback), text tokens from ``tokenizer``: a Hugging Face
   tokenizer (anything with ``.encode``) or, by default, the byte-level tokenizer of
   :mod:`.tokenizer`, whose count is exact for the default packer (one token per UTF-8 byte plus
-  BOS/EOS; a fast estimate of a BPE count is about a quarter of it). Video members are not indexed
-  (no video decoder in the default stack); a sample with only unknown members is an error.
+  BOS/EOS; a fast estimate of a BPE count is about a quarter of it). Video members (``mp4``,
+  ``avi``, ...) are indexed from their container headers (PyAV) as vision items of
+  :func:`.decode.sampled_frames` frames; a sample with only unknown members is an error.
 - Tables: ``parquet_columns`` maps roles to column names: ``key`` (default: ``"<file>:<row>"``),
   ``text`` (string column, tokenised as above; default ``"text"`` if present), ``text_tokens``
   (precomputed counts, instead of ``text``), ``image_height`` / ``image_width`` (int or list of
@@ -65,6 +66,9 @@ def sample_meta_from_members(
             if kind == "image":
                 h, w = decode.image_size(decode.member_payload(ext, members[ext]))
                 images.append(VisionItem(1, h, w))
+            elif kind == "video":  # container header only; frames by the cost model's rule
+                v = decode.probe_video(decode.member_payload(ext, members[ext]))
+                images.append(VisionItem(decode.sampled_frames(v.seconds), v.height, v.width))
             elif kind == "audio":
                 secs.append(decode.audio_seconds(decode.member_payload(ext, members[ext])))
         return SampleMeta(

@@ -3,12 +3,15 @@
 Public API (stable; the worker processes call :func:`make_packer`):
 
 - ``make_packer(index_path, *, on_error="raise", transform=None, model=None, vision=None,
-  audio=None, tokenizer=None, max_open=64) -> SamplePacker``. ``model``: a ``ModelSpec`` or its
-  dict (``ParallelPlan.model``); its first vision and first audio encoder define the transforms
-  (``vision``/``audio``: a preset name, JSON path, dict or ModuleConfig override them). Without
-  either, the presets ``qwen2.5-vl-vision`` and ``whisper-large-v3-encoder`` are used.
+  audio=None, tokenizer=None, max_open=64, jpeg_draft=False) -> SamplePacker``. ``model``: a
+  ``ModelSpec`` or its dict (``ParallelPlan.model``); its first vision and first audio encoder
+  define the transforms (``vision``/``audio``: a preset name, JSON path, dict or ModuleConfig
+  override them). Without either, the presets ``qwen2.5-vl-vision`` and
+  ``whisper-large-v3-encoder`` are used. A configuration the default transforms cannot serve
+  raises ``InvalidInput`` here, at construction (build one in the parent before any worker).
 - ``SamplePacker(encoder_rows, llm_rows) -> Packed`` (``workers.worker.Packed``): table rows in,
-  tensors named as in :mod:`entrain_data.batch` out; with ``on_error="skip"`` bad samples are left
+  tensors named as in :mod:`entrain_data.batch` out (pixels as uint8, normalised by
+  ``Microbatch.to``; ``meta`` carries ``pixel_mean``/``pixel_std``/``temporal_patch``); with ``on_error="skip"`` bad samples are left
   out of both sets and listed in ``Packed.skipped``. ``validate_deferred`` (default: on with
   ``skip``, off with ``raise``) decodes an LLM-only sample's media too, only to reach the same
   skip decision as the microbatch that encodes it; with ``raise`` nothing of it is decoded.
@@ -19,8 +22,9 @@ Public API (stable; the worker processes call :func:`make_packer`):
 - ``EncoderInput``, ``LLMInput`` and ``pack_microbatch(encoder, llm, *, image_token_id,
   audio_token_id) -> dict[str, np.ndarray]``: the pure packing step (no I/O).
 
-The sequence of one sample is ``[BOS] <image placeholders per image> <audio placeholders per clip>
-text... [EOS]``; ``labels[t]`` is ``input_ids[t + 1]`` where that token carries a loss, else -100
+The sequence of one sample is ``[BOS] <image placeholders per vision item> <audio placeholders per
+clip> text... [EOS]``; vision items are the index's (images, then video clips: ``frames > 1``, the
+cost model's own rule), all with ``image_token_id``; ``labels[t]`` is ``input_ids[t + 1]`` where that token carries a loss, else -100
 (the last token of every sample has none). Placeholder counts come from the index sizes through the
 cost model's token functions (see :mod:`.transforms`), so an LLM-only pack, which decodes nothing,
 agrees with the microbatch that ran the encoder.
@@ -42,7 +46,7 @@ from entrain_data.presets import ModelSpec, ModuleConfig, load_module
 from . import decode
 from .sources import SourceCache, row_members
 from .tokenizer import TextTokenizer, as_tokenizer, sample_text_ids
-from .transforms import SAMPLE_RATE, AudioTransform, VisionTransform
+from .transforms import SAMPLE_RATE, AudioTransform, VisionTransform, resize_rgb
 
 __all__ = [
     "DecodedSample",
@@ -69,9 +73,10 @@ class DecodedSample:
     key: str
     source: str
     segments: tuple[decode.TextSegment, ...]
-    images: tuple[np.ndarray, ...] = ()  # uint8 [H, W, 3], already at the encoder's target size
+    images: tuple[np.ndarray, ...] = ()  # uint8 [H, W, 3] at VisionTransform.target_size
     audio: tuple[np.ndarray, ...] = ()  # float32 waveforms at 16 kHz
     llm_only: bool = False
+    videos: tuple[np.ndarray, ...] = ()  # uint8 [T, H, W, 3] sampled frames at the target size
 
 
 @dataclass(frozen=True)
@@ -79,9 +84,11 @@ class EncoderInput:
     """One encoder-set sample: patches per image and log-mel frames per clip."""
 
     key: str
-    patches: tuple[np.ndarray, ...]  # [P_i, D] each
+    patches: tuple[np.ndarray, ...]  # uint8 [P_i, C*p*p] each
     grids: tuple[tuple[int, int, int], ...]
     mels: tuple[np.ndarray, ...]  # [F_c, n_mels] each
+    video_patches: tuple[np.ndarray, ...] = ()  # uint8 [P_v, C*tp*p*p] each
+    video_grids: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -145,13 +152,20 @@ def pack_microbatch(
     out["cu_seqlens"] = cu
     out["llm_vision_tokens"] = np.array([sum(s.image_tokens) for s in llm], dtype=np.int64)
     out["llm_audio_tokens"] = np.array([sum(s.audio_tokens) for s in llm], dtype=np.int64)
-    patches = [(i, p, g) for i, s in enumerate(encoder) for p, g in zip(s.patches, s.grids)]
-    if patches:
-        out["pixel_values"] = np.concatenate([p for _, p, _ in patches]).astype(
-            np.float32, copy=False
-        )
-        out["image_grid_thw"] = np.array([g for _, _, g in patches], dtype=np.int64).reshape(-1, 3)
-        out["image_sample"] = np.array([i for i, _, _ in patches], dtype=np.int64)
+    for name, grid, owner, attr in (
+        ("pixel_values", "image_grid_thw", "image_sample", "patches"),
+        ("pixel_values_videos", "video_grid_thw", "video_sample", "video_patches"),
+    ):
+        grids = "grids" if attr == "patches" else "video_grids"
+        items = [
+            (i, p, g)
+            for i, s in enumerate(encoder)
+            for p, g in zip(getattr(s, attr), getattr(s, grids))
+        ]
+        if items:  # uint8 stays uint8 on the wire (Microbatch.to normalises on the device)
+            out[name] = np.concatenate([p for _, p, _ in items])
+            out[grid] = np.array([g for _, _, g in items], dtype=np.int64).reshape(-1, 3)
+            out[owner] = np.array([i for i, _, _ in items], dtype=np.int64)
     mels = [(i, m) for i, s in enumerate(encoder) for m in s.mels]
     if mels:
         out["audio_features"] = np.concatenate([m for _, m in mels]).astype(np.float32, copy=False)
@@ -201,12 +215,16 @@ class SamplePacker:
         max_open: int = 64,
         validate_deferred: bool | None = None,
         parquet_columns: Mapping[str, str] | None = None,
+        jpeg_draft: bool = False,
     ) -> None:
         if on_error not in ("raise", "skip"):
             raise InvalidInput(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         self.table = table
+        # both raise InvalidInput for a configuration the default transforms cannot serve: the
+        # service builds one packer in the parent, so that is one line before any worker starts
         self.vision = VisionTransform(vision)
         self.audio = AudioTransform(audio)
+        self.jpeg_draft = bool(jpeg_draft)
         self.tokenizer = tokenizer
         self.transform = transform
         self.on_error = on_error
@@ -264,23 +282,32 @@ class SamplePacker:
         key, src = str(self.table.keys[row]), str(self.table.sources[row])
         try:
             media = not llm_only or self.validate_deferred
-            kinds = ("text", "image", "audio") if media else ("text",)
+            kinds = ("text", "image", "video", "audio") if media else ("text",)
             members = self._members(row, kinds)
             segments = tuple(decode.text_segments(members))
             images: list[np.ndarray] = []
+            videos: list[np.ndarray] = []
             audio: list[np.ndarray] = []
             if media:
                 sizes, secs = self._items(row)
-                img_exts = sorted(e for e in members if decode.member_kind(e) == "image")
+                vis_exts = sorted(e for e in members if decode.member_kind(e) in ("image", "video"))
                 aud_exts = sorted(e for e in members if decode.member_kind(e) == "audio")
-                if len(img_exts) != len(sizes) or len(aud_exts) != len(secs):
+                if len(vis_exts) != len(sizes) or len(aud_exts) != len(secs):
                     raise ValueError(
-                        f"sample has {len(img_exts)} image / {len(aud_exts)} audio members but the "
-                        f"index lists {len(sizes)} / {len(secs)} (stale index?)"
+                        f"sample has {len(vis_exts)} image+video / {len(aud_exts)} audio members "
+                        f"but the index lists {len(sizes)} / {len(secs)} (stale index?)"
                     )
-                for ext, (_frames, h, w) in zip(img_exts, sizes):
+                for ext, (frames, h, w) in zip(vis_exts, sizes):
                     data = decode.member_payload(ext, members[ext])
-                    images.append(decode.decode_image(data, self.vision.target_size(h, w)))
+                    target = self.vision.target_size(h, w, frames)
+                    if (decode.member_kind(ext) == "video") != (frames > 1):
+                        raise ValueError(
+                            f"member .{ext} is indexed with {frames} frame(s) (stale index?)"
+                        )
+                    if frames > 1:
+                        videos.append(np.stack(decode.decode_video(data, frames, target)))
+                    else:
+                        images.append(decode.decode_image(data, target, draft=self.jpeg_draft))
                 for ext in aud_exts:
                     audio.append(
                         decode.decode_audio(decode.member_payload(ext, members[ext]), SAMPLE_RATE)
@@ -294,8 +321,10 @@ class SamplePacker:
         except ValueError as exc:
             raise SampleError(f"{src}: sample {key!r}: {exc}", source=src, key=key) from exc
         if llm_only:  # decoded for validation only: an LLM-only sample carries its text
-            images, audio = [], []
-        sample = DecodedSample(key, src, segments, tuple(images), tuple(audio), llm_only)
+            images, audio, videos = [], [], []
+        sample = DecodedSample(
+            key, src, segments, tuple(images), tuple(audio), llm_only, tuple(videos)
+        )
         if self.transform is not None:
             sample = self.transform(sample)
         return sample
@@ -303,16 +332,21 @@ class SamplePacker:
     # ---------------------------------------------------------------- packing
     def _encoder_input(self, row: int, s: DecodedSample) -> EncoderInput:
         sizes, secs = self._items(row)
-        patches, grids = [], []
-        for img, (_frames, h, w) in zip(s.images, sizes):
-            target = self.vision.target_size(h, w)
-            if img.shape[:2] != target:  # a user transform changed the size: back to the target
-                img = decode.decode_image(_png(img), target)
-            p, g = self.vision.patchify(img)
+        patches, grids, vpatches, vgrids = [], [], [], []
+        for img, (_f, h, w) in zip(s.images, [x for x in sizes if x[0] == 1]):
+            # a user transform may have changed the size: back to the target (as the index says)
+            p, g = self.vision.encode_image(resize_rgb(img, *self.vision.target_size(h, w)))
             patches.append(p)
             grids.append(g)
+        for clip, (f, h, w) in zip(s.videos, [x for x in sizes if x[0] > 1]):
+            th, tw = self.vision.target_size(h, w, f)
+            p, g = self.vision.encode_video([resize_rgb(x, th, tw) for x in clip])
+            vpatches.append(p)
+            vgrids.append(g)
         mels = tuple(self.audio.features(wav, sec) for wav, sec in zip(s.audio, secs))
-        return EncoderInput(s.key, tuple(patches), tuple(grids), mels)
+        return EncoderInput(
+            s.key, tuple(patches), tuple(grids), mels, tuple(vpatches), tuple(vgrids)
+        )
 
     def _llm_input(self, row: int, s: DecodedSample) -> LLMInput:
         sizes, secs = self._items(row)
@@ -321,7 +355,10 @@ class SamplePacker:
             s.key,
             ids,
             mask,
-            tuple(self.vision.llm_tokens(h, w, f) for f, h, w in sizes),
+            tuple(
+                self.vision.llm_tokens(h, w, f)
+                for f, h, w in sorted(sizes, key=lambda x: x[0] > 1)  # images, then clips
+            ),
             tuple(self.audio.llm_tokens(sec) for sec in secs),
             prefix=int(self.tokenizer.bos_id is not None),
         )
@@ -363,6 +400,9 @@ class SamplePacker:
             "audio_token_id": int(self.tokenizer.audio_token_id),
             "patch_dim": self.vision.patch_dim,
             "n_mels": self.audio.n_mels,
+            "pixel_mean": [float(x) for x in self.vision.cfg.image_mean],
+            "pixel_std": [float(x) for x in self.vision.cfg.image_std],
+            "temporal_patch": int(self.vision.tp),
         }
         return Packed(
             encoder_keys=[e.key for e in enc],
@@ -374,16 +414,6 @@ class SamplePacker:
 
     def close(self) -> None:
         self.sources.close()
-
-
-def _png(img: np.ndarray) -> bytes:
-    import io
-
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.fromarray(np.asarray(img, dtype=np.uint8)).save(buf, format="PNG", compress_level=0)
-    return buf.getvalue()
 
 
 def make_packer(
@@ -398,6 +428,7 @@ def make_packer(
     max_open: int = 64,
     validate_deferred: bool | None = None,
     parquet_columns: Mapping[str, str] | None = None,
+    jpeg_draft: bool = False,
 ) -> SamplePacker:
     """The default packer of a worker process: reads ``index_path`` once (see module doc)."""
     table = read_index(index_path)
@@ -415,4 +446,5 @@ def make_packer(
         parquet_columns=parquet_columns
         if parquet_columns is not None
         else table.column_map or None,
+        jpeg_draft=jpeg_draft,
     )

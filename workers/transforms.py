@@ -1,19 +1,31 @@
-"""Default encoder-input transforms, matching the cost model's encoders token for token.
+"""Default encoder-input transforms: the published preprocessors, token for token and pixel for pixel.
 
 Public API (stable):
 
-- ``VisionTransform(cfg)``: for a vision :class:`~entrain_data.presets.ModuleConfig`:
-  ``target_size(h, w) -> (H, W)`` (``dynamic``: Qwen2-VL ``smart_resize`` to multiples of
-  patch*merge within [min_pixels, max_pixels]; ``fixed``: ``image_size`` square),
-  ``patchify(rgb uint8 [H, W, 3]) -> (patches float32 [P, C*tp*p*p], grid (t, h, w))`` in
-  Qwen2-VL's flattened layout (merge windows contiguous), and ``llm_tokens(h, w)``: the tokens the
-  encoder hands the LLM after merging, from :func:`entrain_data.tokens.vision_tokens` (the cost
-  model's own function), so placeholders, encoder output and cost agree.
-- ``AudioTransform(cfg)``: log-mel features (``cfg.n_mels`` mels, ``cfg.audio_frame_rate`` frames
-  per second at 16 kHz, Whisper's 25 ms Hann window and log10 scaling):
-  ``frames(seconds)``, ``features(wave, seconds) -> float32 [F, n_mels]`` (cropped or padded to
-  ``frames(seconds)``), ``llm_tokens(seconds)`` from :func:`entrain_data.tokens.audio_tokens`.
-  ``ceil(frames / (conv_stride * pool)) == llm_tokens`` holds by construction.
+- ``VisionTransform(cfg)`` for a vision :class:`~entrain_data.presets.ModuleConfig`, one of the
+  three resize policies of the cost model (:mod:`entrain_data.tokens`):
+
+  - ``fixed`` (SigLIP / CLIP): every image or frame resized to ``image_size`` square; the patch
+    grid is ``image_size // patch_size`` per side and the remainder (384 = 27 * 14 + 6) is dropped,
+    as the encoder's strided convolution drops it;
+  - ``dynamic`` (Qwen2-VL / Qwen2.5-VL): ``smart_resize`` to multiples of patch*merge within
+    [min_pixels, max_pixels] (video frames: the per-frame and per-clip caps of the cost model);
+  - ``tiles`` (InternVL): the closest tile canvas of at most ``max_tiles`` ``image_size`` tiles,
+    the image resized onto it and cut row by row, plus a thumbnail (the whole image resized to one
+    tile) when there is more than one tile; a video frame is one tile.
+
+  ``target_size(h, w, frames)`` is the size the decoder resizes an image or frame to (``tiles``
+  images keep their size: tiles and thumbnail are both cut from the original);
+  ``encode_image(rgb) -> (uint8 [P, C*p*p], grid (t, h, w))`` and
+  ``encode_video(frames) -> (uint8 [P, C*tp*p*p], grid)`` give the patches in Qwen2-VL's
+  flattened layout (merge windows contiguous; a video's ``temporal_patch`` frames interleaved per
+  patch, the last frame repeated to fill a group, as Qwen2-VL's video processor does), as uint8:
+  the float conversion and normalisation run on the training device (:meth:`Microbatch.to`), a
+  still image's temporal repetition too. ``llm_tokens(h, w, frames)`` is the cost model's count.
+- ``AudioTransform(cfg)``: Whisper's log-mel features (``cfg.n_mels`` mels, 25 ms Hann window,
+  ``cfg.audio_frame_rate`` frames per second at 16 kHz, each ``audio_window_seconds`` window
+  zero-padded and scaled on its own as ``WhisperFeatureExtractor`` does): ``frames(seconds)``,
+  ``features(wave, seconds) -> float32 [frames(seconds), n_mels]``, ``llm_tokens(seconds)``.
 
 The sizes used are the index's (metadata), never the decoded ones, so an LLM-only pack (a deferred
 sample, not decoded) computes the same placeholder counts as the microbatch that encoded it.
@@ -22,32 +34,97 @@ sample, not decoded) computes the same placeholder counts as the microbatch that
 from __future__ import annotations
 
 import math
-from functools import cached_property, lru_cache
+from collections.abc import Sequence
+from functools import cached_property
 
 import numpy as np
+from PIL import Image
 
 from entrain_data.errors import InvalidInput
 from entrain_data.presets import ModuleConfig
 from entrain_data.tokens import audio_tokens, smart_resize, vision_tokens
 
-__all__ = ["VisionTransform", "AudioTransform", "IMAGE_MEAN", "IMAGE_STD", "SAMPLE_RATE"]
+__all__ = ["VisionTransform", "AudioTransform", "SAMPLE_RATE", "tile_canvas", "resize_rgb"]
 
-IMAGE_MEAN = np.array([0.48145466, 0.4578275, 0.40821073], dtype=np.float32)  # CLIP / Qwen2-VL
-IMAGE_STD = np.array([0.26862954, 0.26130258, 0.27577711], dtype=np.float32)
 SAMPLE_RATE = 16000
 _EPS = 1e-9  # the same tolerance tokens.audio_tokens uses
 
 
+def tile_canvas(height: int, width: int, tile: int, max_tiles: int) -> tuple[int, int]:
+    """(columns, rows) of InternVL's tiling (``get_optimal_tiled_canvas`` of its HF processor).
+
+    The closest aspect ratio among canvases of 1..max_tiles tiles, visited by tile count; on a tie
+    the larger canvas wins while the image covers more than half of it. The count equals
+    :func:`entrain_data.tokens.internvl_tiles` (tested).
+    """
+    cands = sorted(
+        (
+            (c, r)
+            for c in range(1, max_tiles + 1)
+            for r in range(1, max_tiles + 1)
+            if c * r <= max_tiles
+        ),
+        key=lambda x: x[0] * x[1],
+    )
+    ratio, area = width / height, width * height
+    best, best_diff = (1, 1), float("inf")
+    for c, r in cands:
+        diff = abs(ratio - c / r)
+        if diff < best_diff:
+            best, best_diff = (c, r), diff
+        elif diff == best_diff and area > 0.5 * tile * tile * c * r:
+            best = (c, r)
+    return best
+
+
+def resize_rgb(rgb: np.ndarray, height: int, width: int) -> np.ndarray:
+    """uint8 [H, W, 3] resized with PIL's bicubic filter (what the published processors use)."""
+    if rgb.shape[:2] == (height, width):
+        return rgb
+    im = Image.fromarray(np.ascontiguousarray(rgb, dtype=np.uint8))
+    return np.asarray(im.resize((int(width), int(height)), Image.BICUBIC), dtype=np.uint8)
+
+
+def _patchify(frames: np.ndarray, p: int, m: int, tp: int) -> tuple[np.ndarray, tuple]:
+    """uint8 [T, H, W, C] -> ([gt*gh*gw, C*tp*p*p], (gt, gh, gw)) in Qwen2-VL's layout.
+
+    H and W are cut to multiples of p*m (the remainder is what a strided patch embedding drops);
+    T is filled to a multiple of ``tp`` by repeating the last frame.
+    """
+    t, h, w, c = frames.shape
+    gh, gw = (h // (p * m)) * m, (w // (p * m)) * m
+    if gh < 1 or gw < 1:
+        raise InvalidInput(f"image of {h}x{w} is smaller than one {p * m}-pixel patch window")
+    x = frames[:, : gh * p, : gw * p]
+    if t % tp:
+        x = np.concatenate([x, np.repeat(x[-1:], tp - t % tp, axis=0)])
+    gt = x.shape[0] // tp
+    x = x.reshape(gt, tp, gh // m, m, p, gw // m, m, p, c)
+    # -> [gt, gh/m, gw/m, m, m, C, tp, p, p]
+    x = x.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7)
+    return np.ascontiguousarray(x).reshape(gt * gh * gw, c * tp * p * p), (gt, gh, gw)
+
+
 class VisionTransform:
-    """Resize + normalise + Qwen2-VL patch flattening for one vision encoder config."""
+    """Resize and patch layout of one vision encoder config (see module doc)."""
 
     def __init__(self, cfg: ModuleConfig) -> None:
         if cfg.kind != "vision":
             raise InvalidInput(f"module {cfg.name!r}: VisionTransform needs a vision module")
-        if cfg.resize not in ("dynamic", "fixed"):
+        if cfg.resize not in ("dynamic", "fixed", "tiles"):
             raise InvalidInput(
-                f"module {cfg.name!r}: the default vision transform supports resize 'dynamic' and "
-                f"'fixed', not {cfg.resize!r}; pass a transform of your own"
+                f"module {cfg.name!r}: the default vision transform supports resize 'dynamic', "
+                f"'fixed' and 'tiles', not {cfg.resize!r}; pass a transform of your own"
+            )
+        if cfg.in_channels != 3:
+            raise InvalidInput(
+                f"module {cfg.name!r}: the default vision transform decodes RGB (in_channels 3), "
+                f"the module has in_channels {cfg.in_channels}"
+            )
+        if cfg.resize in ("fixed", "tiles") and cfg.image_size < cfg.patch_size * cfg.merge:
+            raise InvalidInput(
+                f"module {cfg.name!r}: field 'image_size' {cfg.image_size} is smaller than "
+                f"patch_size*merge = {cfg.patch_size * cfg.merge}"
             )
         self.cfg = cfg
         self.patch = cfg.patch_size
@@ -57,19 +134,24 @@ class VisionTransform:
 
     @property
     def patch_dim(self) -> int:
+        """Width of a patch row after :meth:`Microbatch.to` (float, temporal patch filled)."""
         return self.channels * self.tp * self.patch * self.patch
 
-    def target_size(self, height: int, width: int) -> tuple[int, int]:
-        """(H, W) the image is resized to before patching."""
+    def target_size(self, height: int, width: int, frames: int = 1) -> tuple[int, int]:
+        """(H, W) the decoder resizes an image (or every frame of a clip) to."""
         c = self.cfg
-        if c.resize == "fixed":
+        if c.resize == "fixed" or (c.resize == "tiles" and frames > 1):
             return c.image_size, c.image_size
+        if c.resize == "tiles":
+            return int(height), int(width)
+        max_px = float(c.max_pixels)
+        if frames > 1:  # the cost model's video caps (tokens.vision_tokens), same order of steps
+            cap = float(min(c.video_max_pixels or c.max_pixels, c.max_pixels))
+            if c.video_total_pixels:
+                cap = min(cap, c.video_total_pixels / frames * c.temporal_patch)
+            max_px = max(cap, c.min_pixels)
         h, w = smart_resize(
-            np.array([height]),
-            np.array([width]),
-            c.patch_size * c.merge,
-            c.min_pixels,
-            c.max_pixels,
+            np.array([height]), np.array([width]), self.patch * self.merge, c.min_pixels, max_px
         )
         return int(h[0]), int(w[0])
 
@@ -78,40 +160,39 @@ class VisionTransform:
         t = vision_tokens(self.cfg, np.array([frames]), np.array([height]), np.array([width]))
         return int(t.llm_tokens[0])
 
-    def grid(self, height: int, width: int, frames: int = 1) -> tuple[int, int, int]:
-        """Patch grid (t, h, w) of an item: what ``image_grid_thw`` holds."""
-        H, W = self.target_size(height, width)
-        return -(-frames // self.tp), H // self.patch, W // self.patch
+    def encode_image(self, rgb: np.ndarray) -> tuple[np.ndarray, tuple[int, int, int]]:
+        """uint8 patches [P, C*p*p] of a still image at :meth:`target_size`, and its grid.
 
-    def patchify(self, rgb: np.ndarray) -> tuple[np.ndarray, tuple[int, int, int]]:
-        """Normalised patches [t*h*w, C*tp*p*p] (Qwen2-VL order) and the grid (t, h, w).
-
-        A still image is repeated ``temporal_patch`` times, as the reference processor does.
+        ``tiles``: the tiles row by row, then the thumbnail; grid ``(tiles, g, g)``.
         """
-        H, W = rgb.shape[:2]
-        p, m, tp = self.patch, self.merge, self.tp
-        if H % (p * m) or W % (p * m):
-            raise InvalidInput(f"image of {H}x{W} is not a multiple of patch*merge = {p * m}")
-        gh, gw = H // p, W // p
-        c = rgb.shape[2]
-        # reorder the uint8 pixels first (a quarter of the bytes), then one fused normalise pass
-        # [H, W, C] -> [gh/m, gw/m, m, m, C, p, p] (Qwen2-VL: merge windows contiguous)
-        x8 = rgb.reshape(gh // m, m, p, gw // m, m, p, c).transpose(0, 3, 1, 4, 6, 2, 5)
-        xf = np.ascontiguousarray(x8).reshape(gh * gw, c, p * p).astype(np.float32)
-        scale, offset = _norm_affine(c)
-        xf *= scale
-        xf += offset
-        out = np.empty((gh * gw, c, tp, p * p), dtype=np.float32)
-        out[...] = xf[:, :, None, :]  # a still image is repeated over the temporal patch
-        return out.reshape(gh * gw, c * tp * p * p), (1, gh, gw)
+        c = self.cfg
+        if c.resize == "tiles":
+            h, w = rgb.shape[:2]
+            s = c.image_size
+            cols, rows = tile_canvas(h, w, s, c.max_tiles)
+            canvas = resize_rgb(rgb, rows * s, cols * s)
+            tiles = [
+                canvas[r * s : (r + 1) * s, k * s : (k + 1) * s]
+                for r in range(rows)
+                for k in range(cols)
+            ]
+            if c.thumbnail and len(tiles) > 1:
+                tiles.append(resize_rgb(rgb, s, s))
+            patches, (_, gh, gw) = _patchify(np.stack(tiles), self.patch, self.merge, 1)
+            return patches, (len(tiles), gh, gw)
+        if c.resize == "fixed":
+            rgb = resize_rgb(rgb, c.image_size, c.image_size)
+        return _patchify(rgb[None], self.patch, self.merge, 1)
 
-
-@lru_cache(maxsize=4)
-def _norm_affine(channels: int) -> tuple[np.ndarray, np.ndarray]:
-    """(x / 255 - mean) / std as x * scale + offset, shaped [1, C, 1]."""
-    mean, std = IMAGE_MEAN[:channels], IMAGE_STD[:channels]
-    scale = (1.0 / 255.0 / std).astype(np.float32)[None, :, None]
-    return scale, (-mean / std).astype(np.float32)[None, :, None]
+    def encode_video(self, frames: Sequence[np.ndarray]) -> tuple[np.ndarray, tuple[int, int, int]]:
+        """uint8 patches [P, C*tp*p*p] of a clip's sampled frames (each at :meth:`target_size`)."""
+        if not len(frames):
+            raise InvalidInput("a video clip needs at least one frame")
+        h, w = frames[0].shape[:2]
+        if self.cfg.resize != "dynamic":
+            h = w = self.cfg.image_size
+        x = np.stack([resize_rgb(f, h, w) for f in frames])
+        return _patchify(x, self.patch, self.merge, self.tp)
 
 
 def _mel_filters(n_mels: int, n_fft: int, sample_rate: int) -> np.ndarray:
@@ -137,11 +218,11 @@ def _mel_filters(n_mels: int, n_fft: int, sample_rate: int) -> np.ndarray:
     upper = ramps[2:] / fdiff[1:, None]
     weights = np.maximum(0.0, np.minimum(lower, upper))
     weights *= (2.0 / (hz[2 : n_mels + 2] - hz[:n_mels]))[:, None]
-    return weights.astype(np.float32)
+    return weights
 
 
 class AudioTransform:
-    """Log-mel features of one audio encoder config (16 kHz input)."""
+    """Whisper log-mel features of one audio encoder config (16 kHz input)."""
 
     def __init__(self, cfg: ModuleConfig, sample_rate: int = SAMPLE_RATE) -> None:
         if cfg.kind != "audio":
@@ -152,6 +233,7 @@ class AudioTransform:
         # Whisper's 25 ms window; never shorter than the hop, so no sample is skipped at low rates
         self.n_fft = max(int(round(0.025 * sample_rate)), self.hop)
         self.n_mels = cfg.n_mels
+        self.window_frames = max(1, int(round(cfg.audio_window_seconds * cfg.audio_frame_rate)))
 
     @cached_property
     def _filters(self) -> np.ndarray:
@@ -159,7 +241,7 @@ class AudioTransform:
 
     @cached_property
     def _window(self) -> np.ndarray:
-        return np.hanning(self.n_fft + 1)[:-1].astype(np.float32)
+        return np.hanning(self.n_fft + 1)[:-1]
 
     def frames(self, seconds: float) -> int:
         """Mel frames of a clip: ceil(seconds * rate) (at least 1); divides into the LLM tokens."""
@@ -170,22 +252,32 @@ class AudioTransform:
         """Encoder output tokens of a clip: the cost model's count."""
         return int(audio_tokens(self.cfg, np.array([seconds])).llm_tokens[0])
 
+    def _window_logmel(self, x: np.ndarray) -> np.ndarray:
+        """[window_frames, n_mels] of one window, as WhisperFeatureExtractor computes it.
+
+        The samples are zero-padded to the window, reflect-padded by n_fft/2 at both ends (centred
+        frames), the last frame dropped; log10 with a 1e-10 floor, clamped to 8 below the window's
+        maximum, then (x + 4) / 4.
+        """
+        n = self.window_frames * self.hop
+        seg = np.zeros(n, dtype=np.float64)
+        seg[: min(len(x), n)] = x[:n]
+        pad = self.n_fft // 2
+        seg = np.pad(seg, pad, mode="reflect")
+        frames = np.lib.stride_tricks.sliding_window_view(seg, self.n_fft)[:: self.hop]
+        frames = frames[: self.window_frames]
+        spec = np.abs(np.fft.rfft(frames * self._window, axis=1)) ** 2
+        logmel = np.log10(np.maximum(spec @ self._filters.T, 1e-10))
+        logmel = np.maximum(logmel, logmel.max() - 8.0)
+        return ((logmel + 4.0) / 4.0).astype(np.float32)
+
     def features(self, wave: np.ndarray, seconds: float) -> np.ndarray:
-        """float32 [frames(seconds), n_mels] log-mel frames (crop or zero-pad to the index length)."""
+        """float32 [frames(seconds), n_mels]: Whisper features of every window, cut to the clip."""
         n_frames = self.frames(seconds)
         x = np.asarray(wave, dtype=np.float32)
-        pad = self.n_fft // 2
-        if len(x) < 2:
-            x = np.zeros(self.n_fft, dtype=np.float32)
-        x = np.pad(x, pad, mode="reflect" if len(x) > pad else "constant")
-        n = 1 + (len(x) - self.n_fft) // self.hop
-        frames = np.lib.stride_tricks.sliding_window_view(x, self.n_fft)[:: self.hop][:n]
-        spec = np.abs(np.fft.rfft(frames * self._window, axis=1)) ** 2
-        mel = spec.astype(np.float32) @ self._filters.T
-        logmel = np.log10(np.maximum(mel, 1e-10))
-        logmel = np.maximum(logmel, logmel.max() - 8.0) if logmel.size else logmel
-        logmel = (logmel + 4.0) / 4.0
         out = np.zeros((n_frames, self.n_mels), dtype=np.float32)
-        k = min(n_frames, len(logmel))
-        out[:k] = logmel[:k]
+        per = self.window_frames
+        for start in range(0, n_frames, per):
+            k = min(per, n_frames - start)
+            out[start : start + k] = self._window_logmel(x[start * self.hop :])[:k]
         return out

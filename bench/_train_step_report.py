@@ -1,0 +1,163 @@
+"""The report of ``bench/train_step.py``: per-method statistics, fits and the printed table.
+
+Kept apart from the measuring loop so each file reads on its own.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from entrain_data.calibration import Calibration
+from entrain_data.cost_model import calibrate
+from entrain_data.simulator import ideal_iteration_time, lower_bound, simulate_pipeline
+
+MEASURES = ("encoder_fwd", "encoder_bwd", "llm_fwd", "llm_bwd")
+
+
+def _stats(x: np.ndarray) -> dict[str, float]:
+    mean = float(x.mean())
+    std = float(x.std())
+    return {"mean_ms": mean * 1e3, "std_ms": std * 1e3, "cv": std / mean if mean > 0 else 0.0}
+
+
+def _fit(table, spec, module, groups, seconds, phase) -> dict:
+    keep = [i for i, s in enumerate(seconds) if s > 0 and len(groups[i])]
+    if len(keep) < 2:
+        return {"error": "fewer than 2 non-empty measurements"}
+    fit = calibrate(
+        table, spec, module, [groups[i] for i in keep], [seconds[i] for i in keep], phase=phase
+    ).get("llm" if module == "llm" else module)
+    return fit.to_dict()
+
+
+def report(a, spec, table, methods, per, params, device) -> dict:
+    out: dict = {
+        "config": {
+            "device": str(device),
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "torch": torch.__version__,
+            "tiny": a.tiny,
+            "workload": a.workload,
+            "global_batch": a.global_batch,
+            "dp": a.dp,
+            "microbatches": a.microbatches,
+            "iterations": a.iterations,
+            "warmup": a.warmup,
+            "max_tokens": a.max_tokens,
+            "defer_budget": a.defer_budget,
+            "text_scale": a.text_scale,
+            "dtype": a.dtype,
+            "recompute": a.recompute,
+            "seed": a.seed,
+            "methods": methods,
+        },  # fmt: skip
+        "model": {"spec": spec.to_dict(), "parameters": params},
+        "methods": {},
+    }
+    for m in methods:
+        rec = per[m]
+        out["methods"][m] = {
+            k: _stats(np.array([x[k] for x in rec])) for k in MEASURES + ("encoder_bwd_arrival",)
+        }
+        out["methods"][m]["per_encoder"] = {
+            c.name: {
+                k: _stats(np.array([x["per_encoder"][c.name][k] for x in rec]))
+                for k in ("fwd", "bwd", "bwd_arrival")
+            }
+            for c in spec.encoders
+        }
+        out["methods"][m]["microbatches"] = rec
+    if "sequential" in methods:
+        out["std_ratio_vs_sequential"] = {
+            m: {
+                k: out["methods"]["sequential"][k]["std_ms"] / out["methods"][m][k]["std_ms"]
+                if out["methods"][m][k]["std_ms"] > 0
+                else None
+                for k in MEASURES
+            }
+            for m in methods
+            if m != "sequential"
+        }
+    # calibration on every measured microbatch of every method
+    allrec = [x for m in methods for x in per[m]]
+    cal: dict = {}
+    series = [
+        (c.name, "encoder_rows", [x["per_encoder"][c.name] for x in allrec]) for c in spec.encoders
+    ] + [("llm", "llm_rows", [{"fwd": x["llm_fwd"], "bwd": x["llm_bwd"]} for x in allrec])]
+    for module, rows_key, times in series:
+        groups = [x[rows_key] for x in allrec]
+        fwd = [t["fwd"] for t in times]
+        step = [t["fwd"] + t["bwd"] for t in times]
+        cal[module] = {
+            "forward": _fit(table, spec, module, groups, fwd, "forward"),
+            "step": _fit(table, spec, module, groups, step, "step"),
+        }
+    out["calibration"] = cal
+    # the step fits, in the form `entrain-data profile/plan --calibration` reads
+    step_fits = {m: d["step"] for m, d in cal.items() if "error" not in d["step"]}
+    out["calibration_file"] = Calibration.from_dict(
+        {"hardware": f"measured:{out['config']['gpu'] or device}", "modules": step_fits}
+    ).to_dict()
+    # pipeline simulation: 1 encoder stage + K LLM stages (LLM times split evenly)
+    sim: dict = {}
+    for k in [int(s) for s in a.llm_stages.split(",") if s.strip()]:
+        sim[str(k)] = {}
+        for m in methods:
+            times, ideals, bounds = [], [], []
+            for it in range(a.iterations):
+                fwd = np.zeros((a.dp, a.microbatches, 1 + k))
+                bwd = np.zeros_like(fwd)
+                for x in per[m]:
+                    if x["iteration"] != it:
+                        continue
+                    r, j = x["replica"], x["microbatch"]
+                    fwd[r, j, 0], bwd[r, j, 0] = x["encoder_fwd"], x["encoder_bwd_arrival"]
+                    fwd[r, j, 1:], bwd[r, j, 1:] = x["llm_fwd"] / k, x["llm_bwd"] / k
+                times.append(simulate_pipeline(fwd, bwd, "1f1b").iteration_time)
+                ideals.append(ideal_iteration_time(fwd, bwd, "1f1b"))
+                bounds.append(lower_bound(fwd, bwd))
+            sim[str(k)][m] = {
+                "iteration_time_s": float(np.mean(times)),
+                "ideal_s": float(np.mean(ideals)),
+                "lower_bound_s": float(np.mean(bounds)),
+            }
+        if "sequential" in methods:
+            base = sim[str(k)]["sequential"]["iteration_time_s"]
+            for m in methods:
+                t = sim[str(k)][m]["iteration_time_s"]
+                sim[str(k)][m]["speedup_vs_sequential"] = base / t if t > 0 else None
+    out["simulation"] = sim
+    return out
+
+
+def print_table(res: dict) -> None:
+    c = res["config"]
+    print(
+        f"\ntrain_step: {c['workload']} on {c['gpu'] or c['device']}, model "
+        f"{res['model']['spec']['name']} ("
+        + " + ".join(f"{v / 1e6:.1f}M" for v in res["model"]["parameters"].values())
+        + f"), gb {c['global_batch']}, dp {c['dp']}, "
+        f"{c['microbatches']} microbatches, {c['iterations']} iteration(s)"
+    )
+    hdr = f"{'method':<22}" + "".join(f"{k + ' mean/std ms':>26}" for k in MEASURES)
+    print(hdr)
+    for m, s in res["methods"].items():
+        cells = "".join(f"{s[k]['mean_ms']:>15.2f} /{s[k]['std_ms']:>9.2f}" for k in MEASURES)
+        print(f"{m:<22}{cells}")
+    for m, r in res.get("std_ratio_vs_sequential", {}).items():
+        cells = "".join(f"{r[k]:>26.2f}" if r[k] is not None else f"{'-':>26}" for k in MEASURES)
+        print(f"std sequential/{m:<11}" + cells)
+    print("cost-model fit (rel RMS error, R^2):")
+    for mod, d in res["calibration"].items():
+        for phase, f in d.items():
+            txt = f.get("error") or f"rel_rms {f['rel_rms']:.3f}  R^2 {f['r2']:.3f}"
+            print(f"  {mod:<28}{phase:<9}{txt}")
+    print("simulated 1F1B iteration (1 encoder stage + K LLM stages), seconds:")
+    for k, d in res["simulation"].items():
+        cells = "  ".join(
+            f"{m} {v['iteration_time_s']:.4f}"
+            + (f" (x{v['speedup_vs_sequential']:.2f})" if "speedup_vs_sequential" in v else "")
+            for m, v in d.items()
+        )
+        print(f"  K={k}: {cells}")
