@@ -44,6 +44,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .errors import InvalidInput
+
 if TYPE_CHECKING:  # torch is imported by whoever builds tensors: importing the package stays cheap
     import torch
 
@@ -72,7 +74,7 @@ def normalize_pixels(x: torch.Tensor, meta: Mapping[str, Any], *, video: bool) -
         std = torch.tensor(meta["pixel_std"], dtype=torch.float32, device=x.device)
         tp = int(meta.get("temporal_patch", 1))
     except KeyError as exc:
-        raise ValueError(f"uint8 pixels need {exc.args[0]!r} in the microbatch meta") from exc
+        raise InvalidInput(f"uint8 pixels need {exc.args[0]!r} in the microbatch meta") from exc
     c = mean.numel()
     rows = x.shape[0]
     y = x.reshape(rows, c, -1).to(torch.float32)

@@ -30,7 +30,15 @@ import zmq
 
 from . import protocol
 from .batch import Microbatch
-from .errors import EntrainError, EntrainTimeout, InvalidInput, ProtocolError, WorkerDied
+from .errors import (
+    EntrainError,
+    EntrainTimeout,
+    InvalidInput,
+    ProtocolError,
+    WorkerDied,
+    error_fields,
+    error_from_fields,
+)
 
 __all__ = ["EntrainLoader"]
 
@@ -72,13 +80,16 @@ class _Conn:
         position: tuple[int, int, int],
         seed: int | None,
         fingerprint: str | None,
+        data_fingerprint: str | None,
         prefetch: int,
         timeout: float,
         curve_server_key: bytes | None,
-        alive: Any = None,
+        service: Any = None,
     ) -> None:
         self.endpoint, self.rank, self.timeout = endpoint, rank, timeout
-        self.alive = alive  # () -> bool for a service this process started; checked while waiting
+        self.service = (
+            service  # the handle of a service this process started; checked while waiting
+        )
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -96,6 +107,7 @@ class _Conn:
                 "position": list(position),
                 "seed": seed,
                 "fingerprint": fingerprint,
+                "data_fingerprint": data_fingerprint,
                 "pid": os.getpid(),
             },
         )
@@ -116,11 +128,8 @@ class _Conn:
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not self.sock.poll(int(min(left, 0.5) * 1000) + 1):
-                if self.alive is not None and not self.alive():
-                    raise WorkerDied(
-                        f"rank {self.rank}: the loader service at {self.endpoint} exited while "
-                        f"waiting for {what} (see its log for the reason)"
-                    )
+                if self.service is not None and not self.service.alive():
+                    self._service_gone(what)
                 if time.monotonic() >= deadline:
                     raise EntrainTimeout(
                         f"rank {self.rank}: waited {timeout:g}s for {what} from {self.endpoint}; "
@@ -129,11 +138,23 @@ class _Conn:
                 continue
             frames = self.sock.recv_multipart(copy=False)
             msg = protocol.decode(frames)
-            if msg.kind == "error":
-                raise EntrainError(
-                    f"loader service at {self.endpoint}: {msg.header.get('message', '?')}"
-                )
+            if msg.kind == "error":  # typed as the service raised it (SampleError: source, key)
+                raise error_from_fields(msg.header, prefix=f"loader service at {self.endpoint}: ")
             return msg
+
+    def _service_gone(self, what: str) -> None:
+        """The service this process started has exited: raise why (its own error, typed)."""
+        failure = self.service.failure()
+        if isinstance(failure, EntrainError):
+            raise error_from_fields(
+                error_fields(failure),
+                prefix=f"rank {self.rank}: the loader service at {self.endpoint} exited: ",
+            )
+        code = self.service.process.exitcode
+        raise WorkerDied(
+            f"rank {self.rank}: the loader service at {self.endpoint} exited (code {code}) "
+            f"while waiting for {what} (see its log for the reason)"
+        )
 
     def _wait(self, match: Any, what: str) -> protocol.Message:
         """Receive until ``match``; other messages are kept, in order, for the iterator."""
@@ -152,6 +173,30 @@ class _Conn:
             pass
         self.sock.close(linger=0)
         self.ctx.term()
+
+
+def _check_job_agrees(rank: int, fingerprint: str | None, endpoint: str) -> None:
+    """With torch.distributed initialised, every rank's service must serve the same stream.
+
+    One service per node computes the global schedule from (plan, seed, index content);
+    two that disagree would silently duplicate and lose samples, so they are refused
+    here, on every rank, before the first microbatch. A collective: every rank reaches it
+    on its first use of the loader (``iter``, ``info`` or ``stats``).
+    """
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    seen: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, [fingerprint, endpoint])
+    if len({fp for fp, _ in seen}) > 1:
+        groups: dict[str, list[int]] = {}
+        for r, (fp, _) in enumerate(seen):
+            groups.setdefault(str(fp), []).append(r)
+        detail = "; ".join(f"ranks {v} -> service {k}" for k, v in groups.items())
+        raise InvalidInput(
+            f"rank {rank}: the loader services of this job disagree ({detail}): start every "
+            "node's service with the same plan, seed, epochs and index content"
+        )
 
 
 def _close(conn_box: list[_Conn | None], service: Any) -> None:
@@ -194,6 +239,7 @@ class EntrainLoader:
         self._expect_end: int | None = None  # the epoch whose end marker is still to come
         self._seed: int | None = None
         self._fingerprint: str | None = None
+        self._data_fingerprint: str | None = None
         self._box: list[_Conn | None] = [None]
         self._service = _service
         self._finalizer = weakref.finalize(self, _close, self._box, _service)
@@ -202,16 +248,17 @@ class EntrainLoader:
     @classmethod
     def local(
         cls, *, rank: int = 0, prefetch: int = 4, timeout: float = 60.0, **service_options: Any
-    ):
+    ) -> EntrainLoader:
         """Start a loader service for this (single-node) job and connect to it.
 
         ``service_options`` go to ``entrain_data.workers.service.start_service``
         (``index=``, ``plan=``, ``workers=``, ``seed=``, ``epochs=``,
         ``on_error=`` ...). The service stops when this loader is closed.
         """
-        from importlib import import_module  # the core never imports workers/ at module level
+        # imported here, not at module level: the core never imports workers/ on import
+        from entrain_data.workers.service import start_service
 
-        service = import_module("entrain_data.workers.service").start_service(**service_options)
+        service = start_service(**service_options)
         return cls(service.endpoint, rank, prefetch=prefetch, timeout=timeout, _service=service)
 
     @classmethod
@@ -226,31 +273,19 @@ class EntrainLoader:
         prefetch: int = 4,
         timeout: float = 60.0,
         **service_options: Any,
-    ):
+    ) -> EntrainLoader:
         """Run a user's torch ``Dataset`` (or a ``DataLoader``'s dataset and collate) in the pool.
 
         ``cost_fn(i) -> (encoder_cost, llm_cost, tokens)`` prices sample ``i`` so
         the assignment can balance; the dataset (and collate) must be picklable.
         Microbatch keys are the dataset indices as strings.
         """
-        from importlib import import_module
+        from entrain_data.workers.service import start_for_dataset  # see local()
 
-        wk = import_module("entrain_data.workers.worker")
-        ds, collate = dataloader_or_dataset, None
-        if hasattr(ds, "dataset") and hasattr(ds, "collate_fn"):  # a DataLoader
-            collate = ds.collate_fn
-            workers = workers or max(int(getattr(ds, "num_workers", 0)), 1)
-            ds = ds.dataset
-        return cls.local(
-            rank=rank,
-            prefetch=prefetch,
-            timeout=timeout,
-            plan=plan,
-            workers=workers or 1,
-            packer_factory=wk.DatasetPackerFactory(ds, collate),
-            table_costs=wk.DatasetCosts(len(ds), cost_fn),
-            **service_options,
+        service = start_for_dataset(
+            dataloader_or_dataset, cost_fn, plan=plan, workers=workers, **service_options
         )
+        return cls(service.endpoint, rank, prefetch=prefetch, timeout=timeout, _service=service)
 
     # ---------------------------------------------------------------- state
     def _conn(self) -> _Conn:
@@ -261,13 +296,26 @@ class EntrainLoader:
                 self._position,
                 self._seed,
                 self._fingerprint,
+                self._data_fingerprint,
                 self.prefetch,
                 self.timeout,
                 self._curve,
-                self._service.alive if self._service is not None else None,
+                self._service,
             )
             info = self._box[0].info
             self._seed, self._fingerprint = info["seed"], info["fingerprint"]
+            self._data_fingerprint = info.get("data_fingerprint")
+            start = tuple(info.get("position") or self._position)
+            if start != self._position:  # resumed under a new plan: at its iteration's start
+                log.warning(
+                    "rank %d: resuming at epoch %d iteration %d microbatch %d (a new plan "
+                    "re-assigns the whole iteration; asked for %s)",
+                    self.rank,
+                    *start,
+                    self._position,
+                )
+                self._position = start  # type: ignore[assignment]
+            _check_job_agrees(self.rank, self._fingerprint, self.endpoint)
         return self._box[0]
 
     @property
@@ -285,6 +333,7 @@ class EntrainLoader:
             "microbatch": mb,
             "seed": self._seed,
             "fingerprint": self._fingerprint,
+            "data_fingerprint": self._data_fingerprint,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -304,6 +353,7 @@ class EntrainLoader:
         self._position = pos
         self._seed = state.get("seed")
         self._fingerprint = state.get("fingerprint")
+        self._data_fingerprint = state.get("data_fingerprint")
 
     # ------------------------------------------------------------- iterating
     def __iter__(self) -> Iterator[Microbatch]:

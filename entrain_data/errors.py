@@ -7,6 +7,8 @@ file, column, key or field, so the CLI can print it as one line and exit 2.
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "EntrainError",
     "InvalidInput",
@@ -15,6 +17,9 @@ __all__ = [
     "ProtocolError",
     "SampleError",
     "PlanError",
+    "ServiceStopped",
+    "error_fields",
+    "error_from_fields",
 ]
 
 
@@ -49,3 +54,55 @@ class WorkerDied(EntrainError):
 
 class ProtocolError(EntrainError):
     """A malformed message, foreign schema version or unknown peer on the wire."""
+
+
+class ServiceStopped(EntrainError):
+    """The loader service stopped (a signal, a failure) before this rank's stream ended."""
+
+
+_WIRE_TYPES: dict[str, type[EntrainError]] = {
+    cls.__name__: cls
+    for cls in (
+        EntrainError,
+        InvalidInput,
+        PlanError,
+        SampleError,
+        EntrainTimeout,
+        WorkerDied,
+        ProtocolError,
+        ServiceStopped,
+    )
+}
+
+
+def error_fields(exc: BaseException) -> dict[str, Any]:
+    """The header fields that carry ``exc`` across the wire: type name, message, sample fields.
+
+    Only the names above cross; anything else travels as a plain ``EntrainError``
+    whose message starts with its type, so nothing is unpickled on the other side.
+    """
+    name = type(exc).__name__
+    if name in _WIRE_TYPES and isinstance(exc, EntrainError):
+        message = str(exc)
+    else:
+        name, message = "EntrainError", f"{type(exc).__name__}: {exc}"
+    return {
+        "error_type": name,
+        "message": message,
+        "source": getattr(exc, "source", None),
+        "key": getattr(exc, "key", None),
+    }
+
+
+def error_from_fields(fields: dict[str, Any], prefix: str = "") -> EntrainError:
+    """Rebuild the typed error :func:`error_fields` described (unknown types: ``EntrainError``)."""
+    cls = _WIRE_TYPES.get(str(fields.get("error_type")), EntrainError)
+    message = f"{prefix}{fields.get('message', '?')}"
+    if cls is SampleError:
+        source, key = fields.get("source"), fields.get("key")
+        return SampleError(
+            message,
+            source=source if isinstance(source, str) else None,
+            key=key if isinstance(key, str) else None,
+        )
+    return cls(message)

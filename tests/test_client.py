@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from entrain_data.client import EntrainLoader
-from entrain_data.errors import WorkerDied
+from entrain_data.errors import InvalidInput
 from entrain_data.metadata import read_index, write_index
 from entrain_data.plan import ParallelPlan, StagePlan, StageSegment
 from entrain_data.presets import ModelSpec
@@ -90,8 +90,8 @@ def test_local_loader_reports_a_service_that_died(tmp_path, demo_index):
             "stages": [StagePlan(0, (StageSegment("llm", None, 0, 16, True, True),)).to_dict()],
         }
     )
-    with (
-        pytest.raises(WorkerDied, match="exited"),
+    with (  # the service's own error, typed, as soon as it is gone (not a 60 s timeout)
+        pytest.raises(InvalidInput, match="exited: .*audio encoder"),
         EntrainLoader.local(
             rank=0, index=demo_index, plan=bad, timeout=60, socket_dir=str(tmp_path / "entrain-s")
         ) as loader,

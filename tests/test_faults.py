@@ -10,7 +10,14 @@ import time
 import msgpack
 import pytest
 import zmq
-from test_service import assert_exactly_once, close_all, make_plan, run_ranks, start
+from test_service import (
+    assert_exactly_once,
+    close_all,
+    make_index_plan,
+    make_plan,
+    run_ranks,
+    start,
+)
 
 from entrain_data import protocol
 from entrain_data.client import EntrainLoader
@@ -181,7 +188,7 @@ def test_script_without_main_guard_fails_clearly_and_leaves_no_ipc_dir(tmp_path,
     import subprocess
     import sys
 
-    plan = make_plan().save(tmp_path / "plan.json")
+    plan = make_index_plan().save(tmp_path / "plan.json")
     script = tmp_path / "no_guard.py"
     script.write_text(
         "from entrain_data.client import EntrainLoader\n"

@@ -11,7 +11,8 @@ installable beside torch 2.13.0 CPU: torchvision 0.29.1 from PyPI fails at impor
 torchvision at module level, so it cannot run: the video test takes the frames the video
 processor's ``sample_frames`` picks (its formula), resizes and normalises each with
 ``Qwen2VLImageProcessorPil``'s own ``resize``/``rescale``/``normalize`` and lays them out with the
-video processor's ``patchify`` permutation, transcribed.
+video processor's ``patchify`` permutation, transcribed. The frame size is the cost model's video
+rule, checked against qwen-vl-utils' rule where the two agree (see ``qwen_vl_utils_size``).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ IMAGES = (
 )
 LARGE = ("images_misc/pillow/itxt_chunks.png",)  # 2400x2000: 12 tiles, 6K Qwen tokens (slow)
 VIDEOS = ("1.mp4", "3.mp4", "4.mp4", "2.avi")
-FAST_VIDEOS = ("4.mp4", "2.avi")  # the two smallest; all four in the slow run
+FAST_VIDEOS = ("3.mp4", "2.avi")  # one above, one below 128*28*28 px; all four when slow
 
 
 def meta_of(cfg: ModuleConfig) -> dict:
@@ -249,6 +250,24 @@ def reference_video(cfg: ModuleConfig, path: Path, frames: int) -> tuple[np.ndar
     return v.reshape(gt * gh * gw, 3 * tp * p * p).numpy(), (gt, gh, gw)
 
 
+QWEN_VL_UTILS_VIDEO_MIN_PIXELS = 128 * 28 * 28
+
+
+def qwen_vl_utils_size(cfg: ModuleConfig, info: decode.VideoInfo, frames: int) -> tuple[int, int]:
+    """A frame's size by qwen-vl-utils' ``fetch_video`` rule (VIDEO_MIN_PIXELS 128*28*28, per-frame
+    cap ``max(min(VIDEO_MAX_PIXELS, total / frames * 2), 1.05 * min))``, HF's ``smart_resize``).
+
+    The cost model floors a frame at the preset's ``min_pixels`` (3136) instead of 128*28*28: the
+    two agree on clips of at least 100352 pixels per frame, which is what the test checks; smaller
+    clips (2.avi, 320x240) are priced and served smaller than qwen-vl-utils would serve them.
+    """
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    lo = QWEN_VL_UTILS_VIDEO_MIN_PIXELS
+    cap = max(min(cfg.video_max_pixels, cfg.video_total_pixels / frames * 2), int(lo * 1.05))
+    return smart_resize(info.height, info.width, 28, lo, min(cap, cfg.max_pixels))
+
+
 @pytest.mark.parametrize(
     "preset,videos",
     [("qwen2.5-vl-vision", FAST_VIDEOS)]
@@ -272,6 +291,8 @@ def test_video_matches_qwen2vl_video_pipeline(preset, videos, shared_data):
         floats = normalize_pixels(torch.from_numpy(raw), meta_of(cfg), video=True).numpy()
         ref, ref_grid = reference_video(cfg, root / name, frames)
         assert grid == ref_grid and grid[0] == -(-frames // cfg.temporal_patch)
+        if info.height * info.width >= QWEN_VL_UTILS_VIDEO_MIN_PIXELS:
+            assert (grid[1] * 14, grid[2] * 14) == qwen_vl_utils_size(cfg, info, frames), name
         assert np.prod(grid) // 4 == cost_tokens(cfg, info.height, info.width, frames)
         np.testing.assert_allclose(floats, ref, atol=2e-5, err_msg=name)
 

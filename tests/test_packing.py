@@ -388,3 +388,28 @@ def test_unservable_configuration_fails_at_construction(demo):
         assert "\n" not in str(exc.value)
     for preset in ("siglip-so400m", "internvit-300m", "qwen2.5-vl-vision-1280"):
         make_packer(str(index), vision=preset)  # every vision preset is served
+
+
+def test_microbatch_to_normalises_uint8_pixels_only():
+    from entrain_data.batch import Microbatch
+
+    rng = np.random.default_rng(1)
+    raw = rng.integers(0, 256, size=(8, 3 * 4), dtype=np.uint8)  # p = 2, one temporal copy
+    vid = rng.integers(0, 256, size=(4, 3 * 2 * 4), dtype=np.uint8)  # tp = 2 frames per row
+    meta = {"pixel_mean": [0.5, 0.4, 0.3], "pixel_std": [0.2, 0.25, 0.5], "temporal_patch": 2}
+    t = {"pixel_values": torch.from_numpy(raw), "pixel_values_videos": torch.from_numpy(vid)}
+    mb = Microbatch(0, 0, 0, 0, ["a"], [], t, meta).to("cpu")
+    mean, std = np.array(meta["pixel_mean"]), np.array(meta["pixel_std"])
+    want = (raw.reshape(8, 3, 1, 4) / 255.0 - mean[:, None, None]) / std[:, None, None]
+    got = mb["pixel_values"].numpy().reshape(8, 3, 2, 4)
+    assert mb["pixel_values"].dtype == torch.float32
+    np.testing.assert_allclose(got, np.broadcast_to(want, got.shape), atol=1e-5)
+    want_v = (vid.reshape(4, 3, 8) / 255.0 - mean[:, None]) / std[:, None]
+    np.testing.assert_allclose(
+        mb["pixel_values_videos"].numpy().reshape(4, 3, 8), want_v, atol=1e-5
+    )
+    floats = torch.rand(8, 24)  # float pixels (synthetic batches) pass through untouched
+    same = Microbatch(0, 0, 0, 0, ["a"], [], {"pixel_values": floats}, {}).to("cpu")
+    assert torch.equal(same["pixel_values"], floats)
+    with pytest.raises(InvalidInput, match="pixel_mean"):
+        Microbatch(0, 0, 0, 0, ["a"], [], {"pixel_values": torch.from_numpy(raw)}, {}).to("cpu")

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from entrain_data.workers.sample_source import CustomSource, Packed
 from entrain_data.workers.service import start_service
-from entrain_data.workers.worker import Packed
 
 from entrain_data.client import EntrainLoader
 from entrain_data.errors import SampleError
@@ -67,6 +67,14 @@ def make_plan(dp: int = 2, microbatches: int = 3, global_batch: int = 12) -> Par
     )
 
 
+def make_index_plan(**kw) -> ParallelPlan:
+    """:func:`make_plan` with an LLM-only model: what serving an index (priced by it) needs."""
+    from entrain_data.presets import ModelSpec
+
+    llm = ModelSpec.from_names([], "llama-3.2-1b")
+    return ParallelPlan.from_dict({**make_plan(**kw).to_dict(), "model": llm.to_dict()})
+
+
 @dataclass(frozen=True)
 class TextCosts:
     """Costs from the index alone: LLM cost quadratic in text length, no encoder."""
@@ -76,6 +84,16 @@ class TextCosts:
     def __call__(self):
         t = read_index(self.index_path).text_tokens.astype(np.float64)
         return np.zeros((len(t), 1)), t + t**2 / 512.0, t.astype(np.int64)
+
+
+@dataclass(frozen=True)
+class IndexKeys:
+    """The sample keys of the index (what the service names in its skip record)."""
+
+    index_path: str
+
+    def __call__(self):
+        return [str(k) for k in read_index(self.index_path).keys]
 
 
 @dataclass(frozen=True)
@@ -142,10 +160,14 @@ def start(tmp_path: Path, index: Path, plan: ParallelPlan, **kw):
     on_error = kw.pop("on_error", "raise")
     die = kw.pop("die_on_task", -1)
     marker = kw.pop("die_marker", str(tmp_path / "died"))
+    source = CustomSource(
+        TarTextPacker(str(index), on_error, die, marker),
+        TextCosts(str(index)),
+        IndexKeys(str(index)),
+    )
     return start_service(
         plan=plan,
-        packer_factory=TarTextPacker(str(index), on_error, die, marker),
-        table_costs=TextCosts(str(index)),
+        source=source,
         socket_dir=str(tmp_path / "entrain-sock"),
         **kw,
     )
@@ -257,9 +279,10 @@ def test_sample_error_raise_names_shard_and_key(tmp_path):
     index = make_shards(tmp_path, bad={"s0-0003": "missing"})
     svc = start(tmp_path, index, make_plan())
     try:
-        with pytest.raises(Exception, match="s0-0003") as info:
+        with pytest.raises(SampleError, match="s0-0003") as info:  # typed across the wire
             out, loaders = run_ranks(svc.endpoint, [0, 1], timeout=20)
         assert "shard-000.tar" in str(info.value)
+        assert info.value.key == "s0-0003" and info.value.source.endswith("shard-000.tar")
         assert svc.wait(15) != 0
     finally:
         svc.close()
@@ -269,7 +292,9 @@ def test_sample_error_raise_names_shard_and_key(tmp_path):
 def test_sample_error_skip_counts_and_writes_keys(tmp_path):
     index = make_shards(tmp_path, bad={"s0-0003": "missing", "s1-0010": "missing"})
     skipped = tmp_path / "skipped.jsonl"
-    svc = start(tmp_path, index, make_plan(), on_error="skip", skipped_path=str(skipped))
+    svc = start(
+        tmp_path, index, make_plan(), on_error="skip", skipped_path=str(skipped), max_skipped=2
+    )
     try:
         out, loaders = run_ranks(svc.endpoint, [0, 1])
         keys = [k for k in read_index(index).keys if k not in ("s0-0003", "s1-0010")]

@@ -96,23 +96,45 @@ def cmd_serve(args: argparse.Namespace) -> int:
         epochs=args.epochs,
         on_error=args.on_error,
         skipped_path=args.skipped,
+        max_skipped=args.max_skipped,
         curve_secret_key=secret,
         curve_public_key=public,
         window=args.window,
         stats_interval=args.stats_interval,
+        ranks=args.ranks,
     )
-    print(
-        f"entrain-data serve: {cfg.endpoint} ({args.workers} workers, seed {args.seed}, "
-        f"{args.epochs} epoch(s)); Ctrl-C to stop",
-        flush=True,
-    )
-    if public is not None:
-        print(f"CURVE public key (give it to clients): {public.decode()}", flush=True)
+
+    def ready() -> None:  # printed once bound: a failed start prints only its error
+        ranks = f"ranks {args.ranks}, " if args.ranks else ""
+        print(
+            f"entrain-data serve: {cfg.endpoint} ({ranks}{args.workers} workers, seed "
+            f"{args.seed}, {args.epochs} epoch(s)); Ctrl-C to stop",
+            flush=True,
+        )
+        if public is not None:
+            print(f"CURVE public key (give it to clients): {public.decode()}", flush=True)
+
     t0 = time.monotonic()
-    stats = serve_foreground(cfg, on_stats=lambda s: print(format_stats(s), flush=True))
+    stats = serve_foreground(
+        cfg, on_stats=lambda s: print(format_stats(s), flush=True), on_ready=ready
+    )
     print(format_stats(stats), flush=True)
-    print(f"stopped after {time.monotonic() - t0:.1f}s", flush=True)
+    how = stats.get("stopped_by") or "stopped"
+    print(f"{how} after {time.monotonic() - t0:.1f}s", flush=True)
+    if stats.get("skipped_samples") or stats.get("left_out_samples"):
+        print(f"samples not delivered are listed in {args.skipped}", flush=True)
     return 0
+
+
+class _DefaultsShown(argparse.HelpFormatter):
+    """Help that shows every option's default, except where there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        shown = action.default is not None and action.default is not False
+        if shown and action.default != argparse.SUPPRESS and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -146,28 +168,57 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(handler=cmd_index)
 
-    p = subparsers.add_parser("serve", help="run the loader service in the foreground")
-    p.add_argument("--index", required=True, metavar="INDEX")
+    p = subparsers.add_parser(
+        "serve",
+        help="run the loader service in the foreground",
+        formatter_class=_DefaultsShown,
+    )
+    p.add_argument(
+        "--index", required=True, metavar="INDEX", help="index from `entrain-data index`"
+    )
     p.add_argument(
         "--plan", required=True, metavar="PLAN", help="plan.json from `entrain-data plan`"
     )
     p.add_argument(
         "--endpoint",
         default=None,
-        help="ipc://PATH or tcp://HOST:PORT (default: ipc in a temp dir)",
+        help="ipc://PATH or tcp://HOST:PORT the ranks connect to (default: ipc in a temp dir)",
     )
-    p.add_argument("--workers", type=int, default=2, metavar="N")
-    p.add_argument("--seed", type=int, default=0, metavar="S")
-    p.add_argument("--epochs", type=int, default=1, metavar="E")
-    p.add_argument("--on-error", choices=("raise", "skip"), default="raise")
+    p.add_argument(
+        "--workers", type=int, default=2, metavar="N", help="worker processes (read, decode, pack)"
+    )
+    p.add_argument(
+        "--ranks",
+        default=None,
+        metavar="A-B",
+        help="serve only global ranks A..B (inclusive): one service per node, each computing the "
+        "same global schedule (default: every rank of the plan)",
+    )
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="shuffle and assignment seed")
+    p.add_argument("--epochs", type=int, default=1, metavar="E", help="epochs to serve, then exit")
+    p.add_argument(
+        "--on-error",
+        choices=("raise", "skip"),
+        default="skip",
+        help="an undecodable sample: skip it (recorded, within --max-skipped) or stop the service",
+    )
+    p.add_argument(
+        "--max-skipped",
+        default="1%",
+        metavar="N|P%",
+        help="error budget: stop once more samples than this (a count or a share of the index) "
+        "were skipped",
+    )
     p.add_argument(
         "--skipped",
         metavar="PATH",
-        help="with --on-error skip: append skipped keys (JSON lines) here",
+        default="entrain-skipped.jsonl",
+        help="record of every sample not delivered and why (JSON lines; written only if any)",
     )
     p.add_argument(
-        "--window", type=int, default=4, help="microbatches per rank prepared ahead (bounds memory)"
-    )
+        "--window", type=int, default=4, metavar="N",
+        help="microbatches per rank prepared ahead (bounds memory)",
+    )  # fmt: skip
     p.add_argument(
         "--stats-interval",
         type=float,

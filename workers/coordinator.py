@@ -13,58 +13,43 @@ the seed, see :mod:`.schedule`).
 
 from __future__ import annotations
 
-import enum
 import json
 import logging
 import signal
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
 from entrain_data import protocol
-from entrain_data.errors import EntrainError, ProtocolError, SampleError, WorkerDied
+from entrain_data.errors import (
+    EntrainError,
+    InvalidInput,
+    ProtocolError,
+    ServiceStopped,
+    WorkerDied,
+    error_fields,
+    error_from_fields,
+)
 from entrain_data.plan import ParallelPlan
 
-from .schedule import Scheduler
-from .worker import WorkerPool
+from .assign_ahead import AssignAhead
+from .config import ServiceConfig, State
+from .hello import check_hello
+from .pool import WorkerPool
+from .schedule import Scheduler, data_fingerprint, digest
+from .skips import SkipRecord, parse_budget
+from .stats import Counters, service_stats
 
 __all__ = ["State", "ServiceConfig", "Coordinator"]
 
 log = logging.getLogger(__name__)
 
 _POLL_MS = 200
+_ASSIGN_POLL_MS = 5
 _WORKER_CAPACITY = 2
-
-
-class State(enum.Enum):
-    STARTING = "starting"
-    SERVING = "serving"
-    DRAINING = "draining"
-    STOPPED = "stopped"
-
-
-@dataclass(frozen=True)
-class ServiceConfig:
-    """Everything a coordinator needs; picklable (it crosses a spawn boundary)."""
-
-    plan_json: str
-    endpoint: str
-    worker_endpoint: str
-    packer_factory: Any  # picklable callable -> Packer, run in each worker
-    table_costs: Any  # callable -> (encoder_cost [N, E], llm_cost [N], tokens [N], n)
-    workers: int = 2
-    seed: int = 0
-    epochs: int = 1
-    window: int = 4
-    curve_secret_key: bytes | None = None
-    curve_public_key: bytes | None = None
-    skipped_path: str | None = None
-    max_restarts: int = 20
-    log_level: int = logging.WARNING
-    stats_interval: float = 0.0  # seconds between logged stats lines; 0: never
 
 
 @dataclass
@@ -76,28 +61,23 @@ class _Rank:
     credits: int = 0
 
 
-@dataclass
-class _Counters:
-    started: float = field(default_factory=time.monotonic)
-    microbatches: int = 0
-    samples: int = 0
-    bytes: int = 0
-    tasks_done: int = 0
-    tasks_reissued: int = 0
-    rejected_messages: int = 0
-    skipped: int = 0
-
-
 class Coordinator:
     """Run with :meth:`run`; stops on the end of all epochs, :meth:`request_stop` or a signal."""
 
-    def __init__(self, cfg: ServiceConfig, on_stats: Any = None) -> None:
+    def __init__(self, cfg: ServiceConfig, on_stats: Any = None, on_ready: Any = None) -> None:
         self.cfg = cfg
         self.on_stats = on_stats  # called with stats() every cfg.stats_interval seconds
+        self.on_ready = on_ready  # called once bound and serving
         self.state = State.STARTING
         self.plan = ParallelPlan.from_json(cfg.plan_json)
-        self.fingerprint = self.plan.fingerprint()
-        enc, llm, tokens = cfg.table_costs()
+        enc, llm, tokens = cfg.source.costs()
+        keys = cfg.source.keys()
+        self.data_fingerprint = data_fingerprint(
+            enc, llm, tokens, keys, seed=cfg.seed, global_batch=self.plan.global_batch
+        )
+        self.fingerprint = digest([self.plan.fingerprint(), self.data_fingerprint, cfg.epochs])
+        lo, hi = cfg.ranks if cfg.ranks is not None else (0, self.plan.world_size - 1)
+        self.served = range(lo, hi + 1)  # the ranks of this node (serve --ranks A-B)
         self.scheduler = Scheduler(
             enc,
             llm,
@@ -109,9 +89,15 @@ class Coordinator:
             defer_budget=self.plan.defer_budget,
             method=self.plan.method,
             seed=cfg.seed,
+            assign_fn=cfg.assign_fn,
         )
         self.shape = self.scheduler.shape
         self.end_pos = cfg.epochs * self.shape.per_epoch
+        self.record = SkipRecord(
+            cfg.skipped_path, parse_budget(cfg.max_skipped), len(llm), lambda: keys
+        )
+        self._recorded_epochs: set[int] = set()
+        self.ahead: AssignAhead | None = None
         self.ranks: dict[int, _Rank] = {}
         self.by_ident: dict[bytes, int] = {}
         self.done: set[int] = set()
@@ -121,19 +107,31 @@ class Coordinator:
         self.in_flight: dict[int, tuple[int, int]] = {}  # task id -> (replica, pos)
         self.wanted_flight: dict[tuple[int, int], int] = {}
         self.next_task = 0
-        self.counters = _Counters()
-        self.skipped_keys: set[str] = set()
-        self.error: str | None = None
+        self.counters = Counters()
+        self.error: EntrainError | None = None
         self._stop = False
+        self._awaiting = False  # some queued microbatch waits for its assignment
+        self._stop_reason = "stopped"
         self._pool_stats_fn: Any = None
         self._last_stats = time.monotonic()
 
     # ---------------------------------------------------------------- control
-    def request_stop(self, *_: Any) -> None:
+    def request_stop(self, signum: int | None = None, _frame: Any = None) -> None:
         self._stop = True
+        if signum is not None:
+            self._stop_reason = f"stopped by {signal.Signals(signum).name}"
+
+    def _fail(self, front: zmq.Socket, error: EntrainError) -> None:
+        """Stop with ``error``: every connected rank receives it typed, with its fields."""
+        if self.error is not None:
+            return
+        self.error = error
+        log.error("%s", error)
+        for r in self.ranks.values():
+            self._reply(front, r.ident, "error", error_fields(error))
 
     def run(self, install_signals: bool = True) -> int:
-        """Serve until done or stopped; returns 0, or raises the sample error under ``raise``."""
+        """Serve until done or stopped; returns 0, or raises the error that stopped the service."""
         if install_signals:
             signal.signal(signal.SIGINT, self.request_stop)
             signal.signal(signal.SIGTERM, self.request_stop)
@@ -147,30 +145,50 @@ class Coordinator:
             front.curve_server = True
             front.curve_secretkey = self.cfg.curve_secret_key
             front.curve_publickey = self.cfg.curve_public_key
-        pool = WorkerPool(self.cfg, back)
+        pool = WorkerPool(
+            back,
+            endpoint=self.cfg.worker_endpoint,
+            source=self.cfg.source,
+            workers=self.cfg.workers,
+            log_level=self.cfg.log_level,
+        )
         self._pool_stats_fn = pool.stats
         try:
-            front.bind(self.cfg.endpoint)
-            back.bind(self.cfg.worker_endpoint)
+            for sock, ep in ((front, self.cfg.endpoint), (back, self.cfg.worker_endpoint)):
+                try:
+                    sock.bind(ep)
+                except zmq.ZMQError as exc:
+                    why = "address already in use" if exc.errno == zmq.EADDRINUSE else exc.strerror
+                    raise InvalidInput(f"cannot serve on {ep}: {why}") from None
+            self.ahead = AssignAhead(self.scheduler)
             pool.start()
             self.state = State.SERVING
             log.info("serving %s with %d workers", self.cfg.endpoint, self.cfg.workers)
+            if self.on_ready is not None:
+                self.on_ready()
             try:
                 self._loop(front, back, pool)
             except Exception as exc:  # tell every rank why, then stop (never leave them hanging)
-                for r in self.ranks.values():
-                    self._reply(front, r.ident, "error", {"message": f"service failed: {exc}"})
+                err = exc if isinstance(exc, EntrainError) else error_from_fields(error_fields(exc))
+                self._fail(front, err)
                 raise
+            if self._stop and self.error is None:  # a signal: say so to ranks still reading
+                why = ServiceStopped(f"the loader service was {self._stop_reason}")
+                for r in self.ranks.values():
+                    if r.rank not in self.done:
+                        self._reply(front, r.ident, "error", error_fields(why))
         finally:
             self.state = State.DRAINING
-            pool.stop()
-            front.close(linger=0)
+            if self.ahead is not None:
+                self.ahead.close()
+            pool.stop(timeout=2.0)
+            front.close(linger=500)  # the last error/end messages still leave
             back.close(linger=0)
             ctx.term()
             self.state = State.STOPPED
             log.info("stopped: %s", json.dumps(self.stats()))
         if self.error is not None:
-            raise SampleError(self.error)
+            raise self.error
         return 0
 
     # ------------------------------------------------------------------- loop
@@ -180,7 +198,8 @@ class Coordinator:
         poller.register(back, zmq.POLLIN)
         drain_until: float | None = None
         while not self._stop:
-            events = dict(poller.poll(_POLL_MS))
+            # while microbatches wait for their iteration's assignment, look again soon
+            events = dict(poller.poll(_ASSIGN_POLL_MS if self._awaiting else _POLL_MS))
             if front in events:
                 for _ in range(64):
                     try:
@@ -195,19 +214,25 @@ class Coordinator:
                     except zmq.Again:
                         break
                     self._on_worker(front, pool, frames)
+            if self._stop:
+                break  # a signal arrived: do not restart workers that it may have stopped
             lost = pool.reap()
             if lost:
                 self._requeue(lost)
                 self.counters.tasks_reissued += len(lost)
-            if pool.restarts > self.cfg.max_restarts:
-                raise WorkerDied(f"workers died {pool.restarts} times; giving up")
+            if pool.fatal is not None:
+                self._fail(front, pool.fatal)
+            elif pool.restarts > self.cfg.max_restarts:
+                self._fail(front, WorkerDied(f"workers died {pool.restarts} times; giving up"))
+            if self.ahead is not None and self.ahead.error is not None:
+                self._fail(front, self.ahead.error)
             if self.error is None:
                 self._plan_work()
                 self._dispatch(back, pool)
                 self._deliver(front)
             self._maybe_log_stats()
             if drain_until is None and (
-                self.error is not None or len(self.done) >= self.plan.world_size
+                self.error is not None or len(self.done) >= len(self.served)
             ):
                 drain_until = time.monotonic() + 0.5  # let the last frames leave the socket
             if drain_until is not None and time.monotonic() > drain_until:
@@ -217,10 +242,12 @@ class Coordinator:
     def _reply(self, front: zmq.Socket, ident: bytes, kind: str, fields: dict) -> None:
         front.send_multipart([ident, *protocol.encode(kind, fields)], copy=False)
 
-    def _reject(self, front: zmq.Socket, ident: bytes, why: str) -> None:
+    def _reject(
+        self, front: zmq.Socket, ident: bytes, why: str, kind: type[EntrainError] = ProtocolError
+    ) -> None:
         self.counters.rejected_messages += 1
         log.error("rejected a message from peer %r: %s", ident[:16], why)
-        self._reply(front, ident, "error", {"message": why})
+        self._reply(front, ident, "error", error_fields(kind(why)))
 
     def _on_client(self, front: zmq.Socket, frames: list[Any]) -> None:
         ident = frames[0].bytes
@@ -251,38 +278,20 @@ class Coordinator:
             self._reject(front, ident, f"unexpected {msg.kind!r} message from rank {rank}")
 
     def _hello(self, front: zmq.Socket, ident: bytes, h: dict) -> None:
-        rank = h.get("rank")
-        if not isinstance(rank, int) or not 0 <= rank < self.plan.world_size:
-            self._reject(front, ident, f"rank {rank!r} outside 0..{self.plan.world_size - 1}")
-            return
         if self.error is not None:
-            self._reply(front, ident, "error", {"message": self.error})
+            self._reply(front, ident, "error", error_fields(self.error))
             return
-        want = h.get("fingerprint")
-        if want is not None and want != self.fingerprint:
-            self._reject(
-                front,
-                ident,
-                f"resume state is for plan {want}, this service serves {self.fingerprint}",
-            )
-            return
-        if h.get("seed") is not None and h.get("seed") != self.cfg.seed:
-            self._reject(
-                front,
-                ident,
-                f"resume state has seed {h.get('seed')}, service seed is {self.cfg.seed}",
-            )
-            return
-        pos = h.get("position") or [0, 0, 0]
         try:
-            epoch, it, mb = (int(x) for x in pos)
-        except (TypeError, ValueError):
-            self._reject(front, ident, f"bad start position {pos!r}")
-            return
-        if not (
-            0 <= it < self.shape.iterations and 0 <= mb < self.shape.microbatches and epoch >= 0
-        ):
-            self._reject(front, ident, f"start position {pos!r} outside the stream")
+            rank, (epoch, it, mb), elastic = check_hello(
+                h,
+                ranks=self.served,
+                fingerprint=self.fingerprint,
+                data_fingerprint=self.data_fingerprint,
+                seed=self.cfg.seed,
+                shape=self.shape,
+            )
+        except (ProtocolError, InvalidInput) as exc:
+            self._reject(front, ident, str(exc), type(exc))
             return
         coords = self.plan.rank_coords(rank)
         old = self.ranks.get(rank)
@@ -298,6 +307,8 @@ class Coordinator:
             {
                 "plan": self.cfg.plan_json,
                 "fingerprint": self.fingerprint,
+                "data_fingerprint": self.data_fingerprint,
+                "position": [epoch, it, mb],
                 "replica": coords.replica,
                 "stage": coords.stage,
                 "seed": self.cfg.seed,
@@ -307,6 +318,14 @@ class Coordinator:
             },
         )
         log.info("rank %d (replica %d) connected at %s", rank, coords.replica, (epoch, it, mb))
+        if elastic:
+            log.warning(
+                "rank %d resumes under a new plan at the start of epoch %d iteration %d "
+                "(re-assigned with this plan)",
+                rank,
+                epoch,
+                it,
+            )
         if self.ranks[rank].next_pos >= self.end_pos:
             self.done.add(rank)
 
@@ -337,18 +356,20 @@ class Coordinator:
                 self.queue.appendleft(key)
 
     def _dispatch(self, back: zmq.Socket, pool: WorkerPool) -> None:
+        """Send queued microbatches to idle workers; ones still being assigned wait their turn."""
+        assert self.ahead is not None
+        waiting: deque[tuple[int, int]] = deque()
         while self.queue:
             worker = pool.idle_worker(_WORKER_CAPACITY)
             if worker is None:
-                return
+                break
             replica, pos = self.queue.popleft()
+            slot = self.ahead.slot(replica, pos)
+            if slot is None:
+                waiting.append((replica, pos))
+                continue
             epoch, it, mb = self.shape.locate(pos)
-            try:
-                slot = self.scheduler.slot(replica, pos)
-            except EntrainError as exc:
-                self.error = f"assignment of epoch {epoch} iteration {it} failed: {exc}"
-                log.error("%s", self.error)
-                return
+            self._record_left_out(epoch)
             tid = self.next_task
             self.next_task += 1
             frames = protocol.encode(
@@ -366,6 +387,20 @@ class Coordinator:
             pool.send(worker, tid, frames)
             self.in_flight[tid] = (replica, pos)
             self.wanted_flight[(replica, pos)] = tid
+        self._awaiting = bool(waiting)
+        waiting.extend(self.queue)
+        self.queue = waiting
+
+    def _record_left_out(self, epoch: int) -> None:
+        if epoch in self._recorded_epochs:
+            return
+        self._recorded_epochs.add(epoch)
+        rows = self.scheduler.left_out(epoch)
+        why = (
+            f"the last global batch of epoch {epoch} has {len(rows)} sample(s), too few for "
+            f"dp {self.plan.dp} x {self.plan.microbatches} microbatches"
+        )
+        self.record.add_left_out([int(r) for r in rows], epoch, why)
 
     def _on_worker(self, front: zmq.Socket, pool: WorkerPool, frames: list[Any]) -> None:
         ident = frames[0].bytes
@@ -378,6 +413,9 @@ class Coordinator:
             pool.mark_ready(ident)
             return
         tid = head.header.get("task")
+        if head.kind == "failed" and tid is None:  # the worker could not build its packer
+            pool.start_failed(ident, error_from_fields(head.header))
+            return
         pool.task_done(ident, tid)
         key = self.in_flight.pop(tid, None)
         if key is None:
@@ -385,13 +423,11 @@ class Coordinator:
         self.wanted_flight.pop(key, None)
         if head.kind == "failed":
             h = head.header
-            self.error = (
-                f"sample error in epoch {h.get('epoch')} iteration {h.get('iteration')} "
-                f"microbatch {h.get('microbatch')}: {h.get('error')}"
+            where = (
+                f"epoch {h.get('epoch')} iteration {h.get('iteration')} "
+                f"microbatch {h.get('microbatch')}: "
             )
-            log.error("%s", self.error)
-            for r in self.ranks.values():
-                self._reply(front, r.ident, "error", {"message": self.error})
+            self._fail(front, error_from_fields(h, prefix=where))
             return
         if head.kind != "result":
             log.error("unexpected %r message from worker %r", head.kind, ident)
@@ -399,27 +435,20 @@ class Coordinator:
         try:
             batch = protocol.decode(frames[2:])
         except ProtocolError as exc:
-            self.error = f"worker {ident!r} sent a malformed microbatch: {exc}"
+            self._fail(front, ProtocolError(f"worker {ident!r} sent a malformed microbatch: {exc}"))
             return
         self.counters.tasks_done += 1
-        self._record_skipped(head.header.get("skipped") or [])
+        skipped = head.header.get("skipped") or []
+        if skipped:
+            epoch, it, _ = self.shape.locate(key[1])
+            self.record.add_skipped(skipped, epoch, it)
+            self.counters.skipped = len(self.record.skipped)
+            over = self.record.over_budget()
+            if over is not None:
+                self._fail(front, over)
+                return
         pool.account(ident, sum(s.nbytes for s in batch.specs), len(batch.header["llm_keys"]))
         self.ready[key] = (list(frames[2:]), len(batch.header.get("llm_keys", [])))
-
-    def _record_skipped(self, skipped: list[dict]) -> None:
-        new = [s for s in skipped if s.get("key") not in self.skipped_keys]
-        if not new:
-            return
-        for s in new:
-            self.skipped_keys.add(s.get("key"))
-            log.warning(
-                "skipped sample %s in %s: %s", s.get("key"), s.get("source"), s.get("error")
-            )
-        self.counters.skipped = len(self.skipped_keys)
-        if self.cfg.skipped_path:
-            with open(self.cfg.skipped_path, "a", encoding="utf-8") as f:
-                for s in new:
-                    f.write(json.dumps(s) + "\n")
 
     # -------------------------------------------------------------- delivery
     def _deliver(self, front: zmq.Socket) -> None:
@@ -443,31 +472,7 @@ class Coordinator:
 
     # ----------------------------------------------------------------- stats
     def stats(self) -> dict[str, Any]:
-        c = self.counters
-        lat = self.scheduler.latencies
-        return {
-            "state": self.state.value,
-            "uptime_s": round(time.monotonic() - c.started, 3),
-            "microbatches_served": c.microbatches,
-            "bytes_served": c.bytes,
-            "samples_served": c.samples,
-            "tasks_done": c.tasks_done,
-            "tasks_reissued": c.tasks_reissued,
-            "rejected_messages": c.rejected_messages,
-            "skipped_samples": c.skipped,
-            "queue": {
-                "ready": len(self.ready),
-                "queued": len(self.queue),
-                "in_flight": len(self.in_flight),
-            },
-            "ranks": {str(r.rank): r.next_pos for r in self.ranks.values()},
-            "assignment_latency_s": {
-                "count": len(lat),
-                "mean": (sum(lat) / len(lat)) if lat else 0.0,
-                "max": max(lat, default=0.0),
-            },
-            "workers": self._pool_stats(),
-        }
+        return service_stats(self)
 
     def _pool_stats(self) -> list[dict[str, Any]]:
         return self._pool_stats_fn() if self._pool_stats_fn else []

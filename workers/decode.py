@@ -174,9 +174,19 @@ class VideoInfo:
     width: int
 
 
-def _open_video(data: bytes) -> Any:
-    import av  # imported here: only video members need it
+def _av() -> Any:
+    """PyAV, imported on the first video member (the ``video`` extra)."""
+    try:
+        import av
+    except ImportError as exc:
+        raise ValueError(
+            "video members need PyAV: pip install 'entrain-data[video]' (or av)"
+        ) from exc
+    return av
 
+
+def _open_video(data: bytes) -> Any:
+    av = _av()
     try:
         return av.open(io.BytesIO(data))
     except (av.FFmpegError, ValueError, OSError) as exc:
@@ -215,7 +225,7 @@ def _picks(total: int, frames: int) -> list[int]:
 
 def _decode_picks(data: bytes, picks: list[int]) -> tuple[dict[int, Image.Image], int]:
     """The picked frames as RGB images (only those are converted) and the frames decoded."""
-    import av
+    av = _av()
 
     wanted, got, total = set(picks), {}, 0
     with _open_video(data) as c:

@@ -13,16 +13,28 @@ A replica's stream is linear: position ``p`` is epoch ``p // S``, iteration
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from entrain_data.assignment import assign
 from entrain_data.errors import InvalidInput
 
-__all__ = ["StreamShape", "Slot", "epoch_batches", "Scheduler"]
+__all__ = [
+    "StreamShape",
+    "Slot",
+    "epoch_batches",
+    "epoch_left_out",
+    "Scheduler",
+    "data_fingerprint",
+    "digest",
+]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +69,19 @@ class Slot:
     llm_rows: np.ndarray
 
 
+def _epoch_split(
+    n: int, global_batch: int, min_batch: int, seed: int, epoch: int
+) -> tuple[list[np.ndarray], np.ndarray]:
+    if global_batch < 1:
+        raise InvalidInput(f"global_batch must be >= 1, got {global_batch}")
+    perm = np.random.default_rng([int(seed) & 0xFFFFFFFF, int(epoch), 0x5EED]).permutation(n)
+    batches = [perm[i : i + global_batch] for i in range(0, n, global_batch)]
+    left_out = np.zeros(0, dtype=np.int64)
+    if batches and len(batches[-1]) < min(global_batch, min_batch):
+        left_out = batches.pop().astype(np.int64)
+    return [b.astype(np.int64) for b in batches], left_out
+
+
 def epoch_batches(
     n: int, global_batch: int, min_batch: int, seed: int, epoch: int
 ) -> list[np.ndarray]:
@@ -64,28 +89,23 @@ def epoch_batches(
 
     The last, partial batch is kept when it has at least ``min_batch`` samples
     (enough to give every microbatch one); otherwise its samples are left out of
-    this epoch (logged) - a different permutation puts them elsewhere next epoch.
+    this epoch (:func:`epoch_left_out` names them; the service records them) - a
+    different permutation puts them elsewhere next epoch.
     """
-    if global_batch < 1:
-        raise InvalidInput(f"global_batch must be >= 1, got {global_batch}")
-    perm = np.random.default_rng([int(seed) & 0xFFFFFFFF, int(epoch), 0x5EED]).permutation(n)
-    batches = [perm[i : i + global_batch] for i in range(0, n, global_batch)]
-    if batches and len(batches[-1]) < min(global_batch, min_batch):
-        dropped = batches.pop()
-        log.warning(
-            "epoch %d: the last %d sample(s) cannot fill %d microbatches and are left out",
-            epoch,
-            len(dropped),
-            min_batch,
-        )
-    return [b.astype(np.int64) for b in batches]
+    return _epoch_split(n, global_batch, min_batch, seed, epoch)[0]
+
+
+def epoch_left_out(n: int, global_batch: int, min_batch: int, seed: int, epoch: int) -> np.ndarray:
+    """Table rows that :func:`epoch_batches` leaves out of ``epoch`` (its too-small last batch)."""
+    return _epoch_split(n, global_batch, min_batch, seed, epoch)[1]
 
 
 class Scheduler:
     """Global batches and their assignment, computed ahead of need and cached per iteration.
 
     ``encoder_cost`` [N, E], ``llm_cost`` [N] and ``tokens`` [N] are per-sample
-    costs over the whole index (from the cost model, computed once).
+    costs over the whole index (from the cost model, computed once). ``assign_fn``
+    replaces :func:`~entrain_data.assignment.assign` (same signature; tests slow it down).
     """
 
     def __init__(
@@ -102,6 +122,7 @@ class Scheduler:
         method: str,
         seed: int,
         cache: int = 8,
+        assign_fn: Callable[..., Any] | None = None,
     ) -> None:
         self.encoder_cost = np.asarray(encoder_cost)
         self.llm_cost = np.asarray(llm_cost)
@@ -110,6 +131,7 @@ class Scheduler:
         self.global_batch = int(global_batch)
         self.max_tokens, self.defer_budget = max_tokens, defer_budget
         self.method, self.seed = method, int(seed)
+        self.assign_fn = assign_fn or assign
         n = len(self.llm_cost)
         min_batch = self.dp * self.microbatches
         probe = epoch_batches(n, self.global_batch, min_batch, self.seed, 0)
@@ -123,6 +145,11 @@ class Scheduler:
         self._slots: dict[tuple[int, int], list[list[Slot]]] = {}
         self._cache = cache
         self.latencies: list[float] = []
+
+    def left_out(self, epoch: int) -> np.ndarray:
+        """Rows of ``epoch`` that no global batch holds (see :func:`epoch_left_out`)."""
+        n = len(self.llm_cost)
+        return epoch_left_out(n, self.global_batch, self.dp * self.microbatches, self.seed, epoch)
 
     def batches(self, epoch: int) -> list[np.ndarray]:
         if epoch not in self._batches:
@@ -143,7 +170,7 @@ class Scheduler:
         if key not in self._slots:
             rows = self.batches(epoch)[iteration]
             t0 = time.perf_counter()
-            a = assign(
+            a = self.assign_fn(
                 self.encoder_cost[rows],
                 self.llm_cost[rows],
                 self.tokens[rows],
@@ -175,3 +202,23 @@ class Scheduler:
     def slot(self, replica: int, position: int) -> Slot:
         epoch, it, mb = self.shape.locate(position)
         return self.slots(epoch, it)[replica][mb]
+
+
+def digest(parts: list[Any]) -> str:
+    """A short, stable hash of JSON-serialisable parts."""
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+
+def data_fingerprint(
+    enc: Any, llm: Any, tokens: Any, keys: list[str] | None, *, seed: int, global_batch: int
+) -> str:
+    """What makes two services cut the same global batches: seed, batch size, the samples.
+
+    The samples are hashed by content (their keys and the costs the schedule balances),
+    so two nodes with different copies of an index, or another seed, disagree.
+    """
+    h = hashlib.sha256()
+    for arr in (enc, llm, tokens):
+        h.update(np.ascontiguousarray(arr).tobytes())
+    h.update("\n".join(keys or []).encode())
+    return digest([h.hexdigest(), int(seed), int(global_batch)])

@@ -9,6 +9,7 @@ removes the ipc socket files. The coordinator's own lifecycle is the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import multiprocessing as mp
@@ -17,59 +18,109 @@ import shutil
 import signal
 import tempfile
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from entrain_data.errors import EntrainTimeout, InvalidInput
+from entrain_data.errors import (
+    EntrainError,
+    EntrainTimeout,
+    InvalidInput,
+    error_fields,
+    error_from_fields,
+)
 from entrain_data.plan import ParallelPlan
 
 from .coordinator import Coordinator, ServiceConfig
-from .worker import IndexPackerFactory, stop_processes
+from .pool import stop_processes
+from .sample_source import CustomSource, DatasetSource, IndexSource, SampleSource
+from .skips import parse_budget
 
-__all__ = ["IndexCosts", "ServiceHandle", "make_config", "serve_foreground", "start_service"]
+__all__ = [
+    "ServiceHandle",
+    "check_endpoint",
+    "parse_ranks",
+    "make_config",
+    "serve_foreground",
+    "start_for_dataset",
+    "start_service",
+]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class IndexCosts:
-    """Picklable: per-sample costs of an index under a plan's model, computed in the coordinator."""
-
-    index_path: str
-    plan_json: str
-
-    def __call__(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        from entrain_data.cost_model import per_sample_costs
-        from entrain_data.metadata import read_index
-
-        table = read_index(self.index_path)
-        plan = ParallelPlan.from_json(self.plan_json)
-        costs = per_sample_costs(table, plan.model_spec(), calibration=plan.calibration)
-        enc = costs.encoder_cost()
-        if enc.shape[1]:
-            enc = plan.stage_encoder_cost(enc)  # one column per group of co-located encoders
-        return enc, costs.llm_cost(), np.asarray(costs.llm_tokens)
 
 
 def _plan_json(plan: ParallelPlan | str | os.PathLike) -> str:
     if isinstance(plan, ParallelPlan):
         return plan.to_json()
-    return ParallelPlan.load(plan).to_json()
+    path = Path(plan)
+    if not path.is_file():
+        raise InvalidInput(f"plan file not found: {path}")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidInput(
+            f"{path}: not a plan (binary file; give the JSON written by `entrain-data plan`)"
+        ) from None
+    return ParallelPlan.from_json(text, origin=str(path)).to_json()
+
+
+def parse_ranks(ranks: str | tuple[int, int] | None, world_size: int) -> tuple[int, int] | None:
+    """``"A-B"`` (inclusive) or ``(A, B)``: the ranks one node's service serves, inside the plan."""
+    if ranks is None:
+        return None
+    try:
+        if isinstance(ranks, str):
+            a, sep, b = ranks.partition("-")
+            lo, hi = int(a), int(b if sep else a)
+        else:
+            lo, hi = (int(x) for x in ranks)
+    except (TypeError, ValueError):
+        raise InvalidInput(f"ranks must be A-B (inclusive), got {ranks!r}") from None
+    if not 0 <= lo <= hi < world_size:
+        raise InvalidInput(f"ranks {lo}-{hi} outside the plan's ranks 0-{world_size - 1}")
+    return lo, hi
+
+
+def check_endpoint(endpoint: str) -> str:
+    """``ipc://PATH`` (its folder must exist) or ``tcp://HOST:PORT`` with a port in 1..65535."""
+    if endpoint.startswith("ipc://"):
+        folder = os.path.dirname(endpoint[len("ipc://") :]) or "."
+        if not os.path.isdir(folder):
+            raise InvalidInput(f"endpoint {endpoint}: folder {folder} does not exist")
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        host, sep, port = endpoint[len("tcp://") :].rpartition(":")
+        if not sep or not host:
+            raise InvalidInput(f"endpoint {endpoint}: expected tcp://HOST:PORT")
+        if not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise InvalidInput(f"endpoint {endpoint}: port must be a number in 1..65535")
+        return endpoint
+    raise InvalidInput(
+        f"endpoint {endpoint!r}: expected ipc://PATH or tcp://HOST:PORT (e.g. tcp://127.0.0.1:5555)"
+    )
+
+
+def _check_packer(source: SampleSource) -> None:
+    """Build one packer here, before any worker: a bad configuration is one clear error."""
+    try:
+        source.make_packer()
+    except EntrainError:
+        raise
+    except Exception as exc:
+        raise InvalidInput(f"the packer cannot be built: {type(exc).__name__}: {exc}") from exc
 
 
 def make_config(
     *,
     plan: ParallelPlan | str | os.PathLike,
     index: str | os.PathLike | None = None,
+    source: SampleSource | None = None,
     endpoint: str | None = None,
     workers: int = 2,
     seed: int = 0,
     epochs: int = 1,
-    on_error: str = "raise",
+    on_error: str = "skip",
     skipped_path: str | os.PathLike | None = None,
+    max_skipped: str | int | None = "1%",
     packer_factory: Any = None,
     table_costs: Any = None,
     curve_secret_key: bytes | None = None,
@@ -78,26 +129,45 @@ def make_config(
     log_level: int | None = None,
     stats_interval: float = 0.0,
     socket_dir: str | None = None,
+    assign_fn: Any = None,
+    check_packer: bool = True,
+    ranks: str | tuple[int, int] | None = None,
 ) -> ServiceConfig:
-    """Validate the options and build a :class:`ServiceConfig` (ipc endpoints in ``socket_dir``)."""
+    """Validate the options and build a :class:`ServiceConfig` (ipc endpoints in ``socket_dir``).
+
+    What is served is ``index`` (an index file), or a :class:`SampleSource`, or
+    ``packer_factory`` + ``table_costs`` (a :class:`CustomSource`). Unless
+    ``check_packer`` is false one packer is built here, so a configuration no worker
+    could start with fails now, in the caller, with one clear error.
+    """
     if on_error not in ("raise", "skip"):
         raise InvalidInput(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     if workers < 1:
         raise InvalidInput(f"workers must be >= 1, got {workers}")
     if epochs < 1:
         raise InvalidInput(f"epochs must be >= 1, got {epochs}")
+    if window < 1:
+        raise InvalidInput(f"window must be >= 1, got {window}")
+    parse_budget(max_skipped)
     plan_json = _plan_json(plan)
+    served = parse_ranks(ranks, ParallelPlan.from_json(plan_json).world_size)
+    if endpoint is not None:
+        check_endpoint(endpoint)
     if index is not None:
         index = str(Path(index).resolve())
         if not Path(index).is_file():
             raise InvalidInput(f"index file {index} does not exist")
+        ParallelPlan.from_json(plan_json).model_spec()  # an index is priced with the plan's model
         model = json.loads(plan_json).get("model") or None
-        packer_factory = packer_factory or IndexPackerFactory(
-            index, on_error=on_error, options={"model": model} if model else {}
+        source = IndexSource(
+            index, plan_json, on_error=on_error, options={"model": model} if model else {}
         )
-        table_costs = table_costs or IndexCosts(index, plan_json)
-    if packer_factory is None or table_costs is None:
-        raise InvalidInput("give an index, or both packer_factory and table_costs")
+    elif source is None and packer_factory is not None and table_costs is not None:
+        source = CustomSource(packer_factory, table_costs)
+    if source is None:
+        raise InvalidInput("give an index, a source, or both packer_factory and table_costs")
+    if check_packer:
+        _check_packer(source)
     socket_dir = socket_dir or tempfile.mkdtemp(prefix="entrain-")
     os.makedirs(socket_dir, exist_ok=True)
     endpoint = endpoint or f"ipc://{socket_dir}/service.sock"
@@ -111,8 +181,7 @@ def make_config(
         plan_json=plan_json,
         endpoint=endpoint,
         worker_endpoint=f"ipc://{socket_dir}/workers.sock",
-        packer_factory=packer_factory,
-        table_costs=table_costs,
+        source=source,
         workers=workers,
         seed=seed,
         epochs=epochs,
@@ -120,8 +189,11 @@ def make_config(
         curve_secret_key=curve_secret_key,
         curve_public_key=curve_public_key,
         skipped_path=str(skipped_path) if skipped_path else None,
+        max_skipped=max_skipped,
         log_level=log_level if log_level is not None else logging.getLogger().getEffectiveLevel(),
         stats_interval=stats_interval,
+        assign_fn=assign_fn,
+        ranks=served,
     )
 
 
@@ -141,17 +213,23 @@ def _remove_ipc(cfg: ServiceConfig) -> None:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def serve_foreground(cfg: ServiceConfig, on_stats: Any = None) -> dict[str, Any]:
-    """Run the coordinator in this process until done, SIGINT or SIGTERM; returns final stats."""
-    coord = Coordinator(cfg, on_stats=on_stats)
+def serve_foreground(
+    cfg: ServiceConfig, on_stats: Any = None, on_ready: Any = None
+) -> dict[str, Any]:
+    """Run the coordinator in this process until done, SIGINT or SIGTERM; returns final stats.
+
+    ``on_ready()`` is called once the endpoints are bound and the workers started.
+    """
     try:
+        coord = Coordinator(cfg, on_stats=on_stats, on_ready=on_ready)
         coord.run(install_signals=True)
     finally:
         _remove_ipc(cfg)
     return coord.stats()
 
 
-def _coordinator_main(cfg: ServiceConfig) -> None:
+def _coordinator_main(cfg: ServiceConfig, reason: Any) -> None:
+    """The service process: run, and on failure hand the typed error to the parent's handle."""
     logging.basicConfig(
         level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -159,8 +237,11 @@ def _coordinator_main(cfg: ServiceConfig) -> None:
         Coordinator(cfg).run(install_signals=True)
     except Exception as exc:
         log.error("loader service stopped: %s", exc)
+        with contextlib.suppress(OSError):
+            reason.send_bytes(json.dumps(error_fields(exc)).encode())
         raise SystemExit(1) from exc
     finally:
+        reason.close()
         _remove_ipc(cfg)
 
 
@@ -174,9 +255,11 @@ def _stop(process: Any, cfg: ServiceConfig, timeout: float) -> None:
 class ServiceHandle:
     """A running loader service started by :func:`start_service`; ``close()`` stops it."""
 
-    def __init__(self, cfg: ServiceConfig, process: Any) -> None:
+    def __init__(self, cfg: ServiceConfig, process: Any, reason: Any = None) -> None:
         self.config = cfg
         self.process = process
+        self._reason = reason  # the read end of the pipe the service writes its failure to
+        self._failure: EntrainError | None = None
         self._finalizer = weakref.finalize(self, _stop, process, cfg, 12.0)
 
     @property
@@ -189,6 +272,14 @@ class ServiceHandle:
 
     def alive(self) -> bool:
         return self.process.is_alive()
+
+    def failure(self) -> EntrainError | None:
+        """Why the service stopped, typed as it was raised there (``None``: no failure known)."""
+        if self._failure is None and self._reason is not None:
+            with contextlib.suppress(OSError, EOFError, ValueError):
+                if self._reason.poll(0.2):
+                    self._failure = error_from_fields(json.loads(self._reason.recv_bytes()))
+        return self._failure
 
     def state_dict(self) -> dict[str, Any]:
         """What a restarted service needs to reproduce this stream: seed, plan fingerprint, epochs."""
@@ -222,7 +313,8 @@ def start_service(**options: Any) -> ServiceHandle:
     """Spawn a coordinator (and its workers) for ``options`` (see :func:`make_config`)."""
     cfg = make_config(**options)
     ctx = mp.get_context("spawn")
-    p = ctx.Process(target=_coordinator_main, args=(cfg,), name="entrain-coordinator")
+    reader, writer = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_coordinator_main, args=(cfg, writer), name="entrain-coordinator")
     try:
         p.start()
     except BaseException:
@@ -230,4 +322,28 @@ def start_service(**options: Any) -> ServiceHandle:
         # ipc directory make_config created would otherwise stay behind
         _remove_ipc(cfg)
         raise
-    return ServiceHandle(cfg, p)
+    finally:
+        writer.close()
+    return ServiceHandle(cfg, p, reader)
+
+
+def start_for_dataset(
+    dataloader_or_dataset: Any,
+    cost_fn: Any,
+    *,
+    plan: Any,
+    workers: int | None = None,
+    **options: Any,
+) -> ServiceHandle:
+    """Serve a user's torch ``Dataset`` (or a ``DataLoader``'s dataset, collate and workers).
+
+    What ``EntrainLoader.wrap`` runs; see :class:`~.sample_source.DatasetSource`.
+    """
+    ds, collate = dataloader_or_dataset, None
+    if hasattr(ds, "dataset") and hasattr(ds, "collate_fn"):  # a DataLoader
+        collate = ds.collate_fn
+        workers = workers or max(int(getattr(ds, "num_workers", 0)), 1)
+        ds = ds.dataset
+    return start_service(
+        plan=plan, workers=workers or 1, source=DatasetSource(ds, cost_fn, collate), **options
+    )

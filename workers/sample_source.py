@@ -1,0 +1,182 @@
+"""A *sample source*: what the service serves, as one picklable object with two halves.
+
+The coordinator needs every sample's costs (to balance) and keys (to name what it
+could not deliver); each worker needs a packer (to read, decode and pack table
+rows). Both halves describe the same samples, so they live in one object:
+
+- :class:`IndexSource`: the samples of an ``entrain-data index`` file, priced by
+  the plan's cost model and packed by :func:`.packing.make_packer`;
+- :class:`DatasetSource`: a user's torch ``Dataset``, priced by the user's
+  ``cost_fn`` and packed by its ``collate_fn`` (``EntrainLoader.wrap``);
+- :class:`CustomSource`: any packer recipe plus any cost function (tests, benches).
+
+A source crosses the spawn boundary twice (to the coordinator, then to each
+worker), so it holds paths and recipes, never open files or sockets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+__all__ = [
+    "Packed",
+    "Packer",
+    "Costs",
+    "SampleSource",
+    "IndexSource",
+    "DatasetSource",
+    "CustomSource",
+]
+
+Costs = tuple[np.ndarray, np.ndarray, np.ndarray]
+"""(encoder cost [N, E], LLM cost [N], LLM tokens [N]) over every sample of a source."""
+
+
+@dataclass
+class Packed:
+    """A packed microbatch as numpy arrays (named as in :mod:`entrain_data.batch`)."""
+
+    encoder_keys: list[str]
+    llm_keys: list[str]
+    tensors: dict[str, np.ndarray]
+    meta: dict[str, Any] = field(default_factory=dict)
+    skipped: list[dict[str, str]] = field(default_factory=list)  # {key, source, error}
+
+
+class Packer(Protocol):
+    """Builds one microbatch from table rows (encoder set, LLM set), inside a worker."""
+
+    def __call__(self, encoder_rows: list[int], llm_rows: list[int]) -> Packed: ...
+
+
+class SampleSource(Protocol):
+    """The samples a service serves: costs and keys (coordinator side), a packer (worker side)."""
+
+    def costs(self) -> Costs: ...
+
+    def keys(self) -> list[str] | None: ...
+
+    def make_packer(self) -> Packer: ...
+
+
+@dataclass(frozen=True)
+class IndexSource:
+    """The samples of an index file, priced with the plan's model (and calibration).
+
+    ``transform`` (optional, picklable) is applied to every decoded sample;
+    ``options`` go to :func:`.packing.make_packer` (model, tokenizer, ...).
+    """
+
+    index_path: str
+    plan_json: str
+    on_error: str = "skip"
+    transform: Callable[[Any], Any] | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def costs(self) -> Costs:
+        from entrain_data.cost_model import per_sample_costs
+        from entrain_data.metadata import read_index
+        from entrain_data.plan import ParallelPlan
+
+        table = read_index(self.index_path)
+        plan = ParallelPlan.from_json(self.plan_json)
+        costs = per_sample_costs(table, plan.model_spec(), calibration=plan.calibration)
+        enc = costs.encoder_cost()
+        if enc.shape[1]:
+            enc = plan.stage_encoder_cost(enc)  # one column per group of co-located encoders
+        return enc, costs.llm_cost(), np.asarray(costs.llm_tokens)
+
+    def keys(self) -> list[str]:
+        from entrain_data.metadata import read_index
+
+        return [str(k) for k in read_index(self.index_path).keys]
+
+    def make_packer(self) -> Packer:
+        from . import packing
+
+        return packing.make_packer(
+            self.index_path, on_error=self.on_error, transform=self.transform, **self.options
+        )
+
+
+@dataclass(frozen=True)
+class DatasetSource:
+    """A user's torch ``Dataset`` run inside the worker pool (``EntrainLoader.wrap``).
+
+    Rows are dataset indices, keys their ``str``. ``cost_fn(i)`` returns
+    ``(encoder_cost, llm_cost, tokens)`` for sample ``i`` from cheap metadata (it is
+    called for every index once, in the coordinator). The LLM set is collated with
+    ``collate_fn`` (default: torch's ``default_collate``) into a dict of tensors;
+    when the encoder set differs (deferral), its collated tensors follow under
+    ``encoder/<name>``. Dataset, collate and cost function must be picklable (spawn).
+    """
+
+    dataset: Any
+    cost_fn: Callable[[int], tuple[float, float, int]]
+    collate_fn: Callable[[list[Any]], Any] | None = None
+
+    def costs(self) -> Costs:
+        vals = np.array([self.cost_fn(i) for i in range(len(self.dataset))], dtype=np.float64)
+        if vals.ndim != 2 or vals.shape[1] != 3:
+            from entrain_data.errors import InvalidInput
+
+            raise InvalidInput("cost_fn(i) must return (encoder_cost, llm_cost, tokens)")
+        return vals[:, :1], vals[:, 1], vals[:, 2].astype(np.int64)
+
+    def keys(self) -> list[str]:
+        return [str(i) for i in range(len(self.dataset))]
+
+    def make_packer(self) -> Packer:
+        return _DatasetPacker(self.dataset, self.collate_fn)
+
+
+class _DatasetPacker:
+    def __init__(self, dataset: Any, collate_fn: Callable[[list[Any]], Any] | None) -> None:
+        if collate_fn is None:
+            from torch.utils.data import default_collate
+
+            collate_fn = default_collate
+        self.dataset, self.collate = dataset, collate_fn
+
+    def _collate(self, rows: list[int], prefix: str) -> dict[str, np.ndarray]:
+        if not rows:
+            return {}
+        batch = self.collate([self.dataset[i] for i in rows])
+        if not isinstance(batch, dict):
+            raise TypeError(f"collate_fn must return a dict of tensors, got {type(batch).__name__}")
+        out = {}
+        for name, value in batch.items():
+            arr = value.numpy() if hasattr(value, "numpy") else np.asarray(value)
+            out[prefix + str(name)] = arr
+        return out
+
+    def __call__(self, encoder_rows: list[int], llm_rows: list[int]) -> Packed:
+        tensors = self._collate(llm_rows, "")
+        if sorted(encoder_rows) != sorted(llm_rows):
+            tensors.update(self._collate(encoder_rows, "encoder/"))
+        return Packed([str(i) for i in encoder_rows], [str(i) for i in llm_rows], tensors)
+
+
+@dataclass(frozen=True)
+class CustomSource:
+    """Any packer recipe (``packer_factory() -> Packer``, run in each worker) and cost function.
+
+    ``key_fn`` (optional) names the samples; without it the service names a sample by its row.
+    """
+
+    packer_factory: Callable[[], Packer]
+    table_costs: Callable[[], Costs]
+    key_fn: Callable[[], list[str]] | None = None
+
+    def costs(self) -> Costs:
+        return self.table_costs()
+
+    def keys(self) -> list[str] | None:
+        return list(self.key_fn()) if self.key_fn is not None else None
+
+    def make_packer(self) -> Packer:
+        return self.packer_factory()
