@@ -265,9 +265,9 @@ class EntrainLoader:
     def wrap(
         cls,
         dataloader_or_dataset: Any,
-        cost_fn: Any,
+        cost_fn: Any = None,
         *,
-        plan: Any,
+        plan: Any = None,
         rank: int = 0,
         workers: int | None = None,
         prefetch: int = 4,
@@ -277,13 +277,16 @@ class EntrainLoader:
         """Run a user's torch ``Dataset`` (or a ``DataLoader``'s dataset and collate) in the pool.
 
         ``cost_fn(i) -> (encoder_cost, llm_cost, tokens)`` prices sample ``i`` so
-        the assignment can balance; the dataset (and collate) must be picklable.
-        Microbatch keys are the dataset indices as strings.
+        the assignment can balance; or ``sizes_fn=`` (sizes per sample) with ``model=``.
+        Without ``plan`` the plan is derived from that profile (``world_size=``, default
+        torch.distributed's). The dataset (and collate) must be picklable. Microbatch
+        keys are the dataset indices as strings. Options and refusals:
+        ``entrain_data.workers.wrap_dataset``.
         """
         from entrain_data.workers.service import start_for_dataset  # see local()
 
         service = start_for_dataset(
-            dataloader_or_dataset, cost_fn, plan=plan, workers=workers, **service_options
+            dataloader_or_dataset, cost_fn, plan=plan, workers=workers, rank=rank, **service_options
         )
         return cls(service.endpoint, rank, prefetch=prefetch, timeout=timeout, _service=service)
 

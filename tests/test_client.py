@@ -240,7 +240,7 @@ def square_cost(i):
 def test_wrap_runs_a_users_dataloader_inside_the_worker_pool(tmp_path):
     from test_service import make_plan
 
-    dl = torch.utils.data.DataLoader(SquaresDataset(), batch_size=4, num_workers=1)
+    dl = torch.utils.data.DataLoader(SquaresDataset(), batch_size=8, shuffle=True, num_workers=1)
     with EntrainLoader.wrap(
         dl, square_cost, plan=make_plan(dp=1, microbatches=2, global_batch=8), timeout=90,
         socket_dir=str(tmp_path / "entrain-s"),

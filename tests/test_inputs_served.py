@@ -30,7 +30,12 @@ def serve_two_ranks(index, tmp_path, *, global_batch: int | None = None, microba
     n = len(read_index(index))
     plan = demo_plan(dp=2, microbatches=microbatches, global_batch=global_batch or n)
     with EntrainLoader.local(
-        rank=0, index=index, plan=plan, workers=2, timeout=120, socket_dir=str(tmp_path / "entrain-s")
+        rank=0,
+        index=index,
+        plan=plan,
+        workers=2,
+        timeout=120,
+        socket_dir=str(tmp_path / "entrain-s"),
     ) as r0:
         r1 = EntrainLoader(r0.endpoint, 1, timeout=120)
         try:

@@ -8,8 +8,8 @@ skipped=None) -> SampleTable``
 - ``paths``: shards (``.tar``, ``.tgz``, ``.tar.gz``), tables (``.parquet``) and local folders of
   loose files (:mod:`.loose_files`: ``name.jpg`` + ``name.txt``/``name.json``), brace patterns
   allowed (``data/shard-{000..127}.tar``); shards and tables may be ``s3://``, ``gs://`` or
-  ``https://`` URLs (:mod:`.storage`), read by byte range: tar headers, then per sample one
-  ranged GET of its text and audio members and the first 64 KiB of its images (their headers).
+  ``https://`` URLs (:mod:`.storage`), read by byte range: one pass over a shard in 4 MiB
+  ranges (tar headers, text and audio members, the first 64 KiB of each image: its header).
 - Shards: a sample is the group of members sharing a key (see :mod:`.sources`). Image sizes come
   from the image headers (PIL opens lazily, no pixel decode), audio durations from the audio
   headers (soundfile; ``wave`` as fallback), text tokens from ``tokenizer``: a Hugging Face
@@ -46,7 +46,7 @@ from entrain_data.metadata import SampleMeta, SampleTable, VisionItem
 from . import decode
 from .loose_files import DirectorySource
 from .sources import PARQUET_SUFFIXES, TarShard, expand_paths, row_members
-from .storage import is_dir, open_parquet
+from .storage import INDEX_BLOCK, is_dir, open_parquet
 from .tokenizer import TextTokenizer, as_tokenizer, count_text_tokens
 
 __all__ = ["build_index", "index_shard", "index_parquet", "sample_meta_from_members"]
@@ -90,23 +90,19 @@ _HEADER_BYTES = 1 << 16
 def _read_for_index(src: TarShard | DirectorySource, member: str) -> dict[str, bytes]:
     """A sample's members as the index needs them: text and audio whole, images by header.
 
-    An image's size is in its first bytes, so a large picture costs 64 KiB of reading (and over
-    object storage no more than the sample's one ranged GET); one whose header lies further in
-    (a huge EXIF block) is read again whole.
+    An image's size is in its first bytes, so a large picture costs 64 KiB of reading; one whose
+    header lies further in (a huge EXIF block) is read again whole.
     """
-    exts = list(src.members(member))
-    heads = [e for e in exts if decode.member_kind(e) == "image" and not e.endswith(".gz")]
-    rest = [e for e in exts if e not in heads]
-    out = src.read(member, rest)  # also where a cut-off sample is named
-    if heads:
-        got = src.read(member, heads, limit=_HEADER_BYTES)
-        for ext, data in got.items():
-            if len(data) == _HEADER_BYTES:
-                try:
-                    decode.image_size(data)
-                except ValueError:
-                    data = src.read(member, [ext])[ext]
-            out[ext] = data
+    heads = [
+        e for e in src.members(member) if decode.member_kind(e) == "image" and not e.endswith(".gz")
+    ]
+    out = src.read(member, None, limit=dict.fromkeys(heads, _HEADER_BYTES))
+    for ext in heads:
+        if len(out[ext]) == _HEADER_BYTES:
+            try:
+                decode.image_size(out[ext])
+            except ValueError:
+                out[ext] = src.read(member, [ext])[ext]
     return out
 
 
@@ -119,7 +115,11 @@ def index_shard(
 ) -> list[SampleMeta]:
     """Records of every sample of one tar shard or folder of loose files (WebDataset keys)."""
     out: list[SampleMeta] = []
-    src: TarShard | DirectorySource = DirectorySource(path) if is_dir(path) else TarShard(path)
+    src: TarShard | DirectorySource = (
+        DirectorySource(path)
+        if is_dir(path)
+        else TarShard(path, block_size=INDEX_BLOCK, sequential=True)  # one pass, big ranges
+    )
     try:
         keys = src.keys()
         if isinstance(src, DirectorySource) and src.passed_over:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from entrain_data.errors import SampleError
 
@@ -92,9 +92,13 @@ class DirectorySource:
         return exts
 
     def read(
-        self, member: str, exts: Sequence[str] | None = None, limit: int | None = None
+        self,
+        member: str,
+        exts: Sequence[str] | None = None,
+        limit: int | Mapping[str, int] | None = None,
     ) -> dict[str, bytes]:
-        """File contents of sample ``member`` by extension (at most ``limit`` bytes of each)."""
+        """File contents of sample ``member`` by extension (at most ``limit`` bytes of each, or
+        of the extensions a ``limit`` mapping names)."""
         sub = member.rsplit("/", 1)[0] if "/" in member else ""
         out: dict[str, bytes] = {}
         for ext, name in self.members(member).items():
@@ -103,7 +107,8 @@ class DirectorySource:
             path = os.path.join(self.path, sub, name)
             try:
                 with open(path, "rb") as f:
-                    out[ext] = f.read() if limit is None else f.read(limit)
+                    cap = limit if isinstance(limit, int) else (limit or {}).get(ext)
+                    out[ext] = f.read() if cap is None else f.read(cap)
             except OSError as exc:
                 raise SampleError(
                     f"{self.path}: sample {member!r}: cannot read {path} ({exc})",

@@ -316,7 +316,8 @@ class SamplePacker:
             if exc.key == key and exc.source == src:
                 raise
             # name the sample by its index key (a shard names it by its member, maybe prefixed)
-            raise SampleError(str(exc), source=src, key=key) from exc
+            msg = str(exc) if repr(key) in str(exc) else f"{exc} (sample {key!r})"
+            raise SampleError(msg, source=src, key=key) from exc
         except ValueError as exc:
             raise SampleError(f"{src}: sample {key!r}: {exc}", source=src, key=key) from exc
         if llm_only:  # decoded for validation only: an LLM-only sample carries its text

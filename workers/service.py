@@ -32,7 +32,7 @@ from entrain_data.plan import ParallelPlan
 
 from .coordinator import Coordinator, ServiceConfig
 from .pool import stop_processes
-from .sample_source import CustomSource, DatasetSource, IndexSource, SampleSource
+from .sample_source import CustomSource, IndexSource, SampleSource
 from .skips import parse_budget
 
 __all__ = [
@@ -329,21 +329,18 @@ def start_service(**options: Any) -> ServiceHandle:
 
 def start_for_dataset(
     dataloader_or_dataset: Any,
-    cost_fn: Any,
+    cost_fn: Any = None,
     *,
-    plan: Any,
+    plan: Any = None,
     workers: int | None = None,
     **options: Any,
 ) -> ServiceHandle:
     """Serve a user's torch ``Dataset`` (or a ``DataLoader``'s dataset, collate and workers).
 
-    What ``EntrainLoader.wrap`` runs; see :class:`~.sample_source.DatasetSource`.
+    What ``EntrainLoader.wrap`` runs: checks, profiling and the plan are
+    :func:`.wrap_dataset.prepare_wrap`'s (no index or plan file needed).
     """
-    ds, collate = dataloader_or_dataset, None
-    if hasattr(ds, "dataset") and hasattr(ds, "collate_fn"):  # a DataLoader
-        collate = ds.collate_fn
-        workers = workers or max(int(getattr(ds, "num_workers", 0)), 1)
-        ds = ds.dataset
-    return start_service(
-        plan=plan, workers=workers or 1, source=DatasetSource(ds, cost_fn, collate), **options
-    )
+    from .wrap_dataset import prepare_wrap
+
+    spec = prepare_wrap(dataloader_or_dataset, cost_fn, plan=plan, workers=workers, **options)
+    return start_service(plan=spec.plan, workers=spec.workers, source=spec.source, **spec.options)

@@ -32,7 +32,7 @@ import tarfile
 import threading
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -143,8 +143,17 @@ def _is_gzip_tar(path: str) -> bool:
     return path.endswith(GZIP_TAR_SUFFIXES)
 
 
-_GAP = 1 << 16
-"""Byte ranges closer than this are fetched as one request (a request costs more than 64 KiB)."""
+_GAP = 1 << 20
+"""Byte ranges closer than this are fetched as one request: an object-storage request costs
+tens of milliseconds before its first byte, the time to stream about a megabyte."""
+
+
+def _limit(limit: int | Mapping[str, int] | None, ext: str, size: int) -> int:
+    if limit is None:
+        return size
+    if isinstance(limit, int):
+        return limit
+    return limit.get(ext, size)
 
 
 def _ranged_read(path: str, spans: Sequence[tuple[str, int, int]]) -> dict[str, bytes]:
@@ -166,9 +175,20 @@ def _ranged_read(path: str, spans: Sequence[tuple[str, int, int]]) -> dict[str, 
 class TarShard:
     """Random access into one WebDataset tar shard by sample key (member offset table, seek+read)."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        block_size: int = storage.HEADER_BLOCK,
+        sequential: bool = False,
+    ) -> None:
+        """``block_size``: read-ahead of the header scan over object storage; ``sequential``:
+        samples will be read in shard order (the index), so reads go through that read-ahead
+        too instead of one ranged GET per sample (random access, the workers)."""
         self.path = os.fspath(path)
         self.remote = storage.is_remote(self.path)
+        self._block_size = block_size
+        self._sequential = sequential
         self._data: bytes | None = None  # decompressed gzip shard
         self._fh: io.BufferedReader | None = None
         self._lock = threading.Lock()
@@ -183,7 +203,7 @@ class TarShard:
             return io.BytesIO(self._data)
         if self._fh is None:
             try:
-                self._fh = storage.open_ranged(self.path)  # kept open for seeks
+                self._fh = storage.open_ranged(self.path, self._block_size)  # kept for seeks
             except OSError as exc:
                 raise SampleError(
                     f"{self.path}: cannot open shard ({exc})", source=self.path
@@ -281,13 +301,17 @@ class TarShard:
             ) from None
 
     def read(
-        self, member: str, exts: Sequence[str] | None = None, limit: int | None = None
+        self,
+        member: str,
+        exts: Sequence[str] | None = None,
+        limit: int | Mapping[str, int] | None = None,
     ) -> dict[str, bytes]:
         """Payloads of sample ``member`` by extension (only ``exts`` when given).
 
-        ``limit``: read at most this many bytes of each member (the index reads image headers).
-        A sample's members lie side by side in the tar, so object storage serves them with one
-        ranged GET (two when a ``limit`` leaves a gap over :data:`_GAP` bytes between them).
+        ``limit``: read at most this many bytes of each member, or of the members a mapping
+        names (the index reads image headers). A sample's members lie side by side in the tar,
+        so object storage serves them with one ranged GET (two when a ``limit`` leaves a gap
+        over :data:`_GAP` bytes between them).
         """
         refs = self.members(member)
         if self.truncated and member == self._incomplete:
@@ -297,12 +321,12 @@ class TarShard:
                 key=member,
             )
         spans = [
-            (ext, ref.offset, ref.offset + (ref.size if limit is None else min(ref.size, limit)))
+            (ext, ref.offset, ref.offset + min(ref.size, _limit(limit, ext, ref.size)))
             for ext, ref in refs.items()
             if exts is None or ext in exts
         ]
         try:
-            if self.remote and not _is_gzip_tar(self.path):
+            if self.remote and not self._sequential and not _is_gzip_tar(self.path):
                 out = _ranged_read(self.path, spans)
             else:
                 out = {}
