@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -108,10 +108,10 @@ class Replicas:
     budget: int | None  # deferral buffer, tokens
     patch_cap: np.ndarray | None  # [E] patches per E set
 
-    @property
-    def rows(self) -> np.ndarray:
-        """[R, n] replica index of every member slot."""
-        return np.broadcast_to(np.arange(self.llm.shape[0])[:, None], self.llm.shape)
+    def take(self, replicas: np.ndarray) -> Replicas:
+        """The same value restricted to some replicas (rows), e.g. the slowest ones."""
+        arrays = ("members", "valid", "has_enc", "enc_cols", "enc_w", "llm", "tok", "patches")
+        return replace(self, **{k: getattr(self, k)[replicas] for k in arrays})
 
 
 @dataclass(frozen=True, eq=False)

@@ -35,7 +35,8 @@ among the candidates balanced within a stated share of the best (the sum of squa
 per-module CVs), the one with the shortest proxy 1F1B iteration
 (:func:`.pipeline_search.proxy_times`). There is no batch-size threshold: every size
 builds every candidate and runs the search (vectorised over replicas; the search's
-work per round is bounded by replicas x candidates, see :mod:`.pipeline_search`).
+work is bounded at any dp: with many replicas it searches the slowest ones, which set the
+iteration time, see :func:`.pipeline_search.refine_slowest`).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ import numpy as np
 from .common import Assignment, Candidate, Inputs, Replicas, rng_for, slot_sums
 from .encoder_sets import lpt_bins, order_by_llm, order_mountain, refine_bins, vector_bins
 from .llm_sets import ffd_joint, fits_cap, fits_patches, llm_sets_fill, llm_sets_lpt
-from .pipeline_search import _per_stage, proxy_times, refine_by_pipeline
+from .pipeline_search import _per_stage, proxy_times, refine_slowest
 from .replica_split import norm_columns, split_replicas
 
 __all__ = ["assign_entrain", "split_replicas", "lpt_bins", "replicas_of"]
@@ -112,7 +113,7 @@ def assign_entrain(x: Inputs, seed: int, iteration: int, tolerance: float = 0.02
     rp = replicas_of(x, split_replicas(w, x.dp, rng))
     cands = _candidates(rp, tolerance)
     eidx, lidx = _pick(cands, rp)
-    eidx, lidx = refine_by_pipeline(rp, eidx, lidx, rng_for(seed, iteration, 2))
+    eidx, lidx = refine_slowest(rp, eidx, lidx, rng_for(seed, iteration, 2))
     return _to_assignment("entrain", rp.members, rp.valid, eidx, lidx, x.dp, rp.m)
 
 

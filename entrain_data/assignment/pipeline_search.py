@@ -39,12 +39,14 @@ import numpy as np
 from ..simulator import simulate_pipeline
 from .common import Replicas, slot_sums
 
-__all__ = ["proxy_stage_shares", "proxy_times", "refine_by_pipeline"]
+__all__ = ["proxy_stage_shares", "proxy_times", "refine_by_pipeline", "refine_slowest"]
 
 _PROXY_STAGES = 4
 _FWD_SHARE = 1.0 / 3.0  # forward share of a trainable module's forward + backward cost
 _CANDIDATES = 32  # moves tried per replica and round
 _ROUNDS = 64
+_FOCUS = 32  # replicas searched per pass when there are more (the slowest ones)
+_PASS_ROUNDS = 16  # rounds per pass over the slowest replicas
 _PATIENCE = 8  # rounds without any accepted move after which the search stops
 _CANDIDATE_BUDGET = 128  # replicas x candidates simulated per round, at most
 _CV_SLACK = 0.04  # an encoder column's per-microbatch CV may grow by this share in the search
@@ -134,6 +136,26 @@ def _apply(eidx, lidx, g, bk, a, b, moved_b, na_e, na_l, nb_e, nb_l) -> None:
     mb = moved_b[g, bk]
     eidx[g, ai], lidx[g, ai] = na_e[g, bk], na_l[g, bk]
     eidx[g[mb], bi[mb]], lidx[g[mb], bi[mb]] = nb_e[g, bk][mb], nb_l[g, bk][mb]
+
+
+def refine_slowest(
+    rp: Replicas, eidx: np.ndarray, lidx: np.ndarray, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """The search where it pays: the iteration lasts as long as its slowest replica, so
+    with many replicas every pass searches only the ``_FOCUS`` slowest (by proxy time,
+    re-ranked after each pass) with more candidates each. The work is then bounded by
+    ``_FOCUS`` x candidates x ``_ROUNDS`` at any dp: one algorithm for every size."""
+    r_count = rp.llm.shape[0]
+    if r_count <= _FOCUS:
+        return refine_by_pipeline(rp, eidx, lidx, rng)
+    eidx, lidx = eidx.copy(), lidx.copy()
+    stage = _per_stage(rp.enc_cols, rp.llm, rp.valid)
+    for _ in range(_ROUNDS // _PASS_ROUNDS):
+        cur = proxy_times(rp, eidx, lidx, stage)
+        act = np.sort(np.argsort(-cur, kind="stable")[:_FOCUS])
+        e_a, l_a = refine_by_pipeline(rp.take(act), eidx[act], lidx[act], rng, _PASS_ROUNDS)
+        eidx[act], lidx[act] = e_a, l_a
+    return eidx, lidx
 
 
 def refine_by_pipeline(
