@@ -14,6 +14,15 @@ iterations. Without the flush a queue that has not filled by the last
 iteration is never trained, and the window credits the method for skipping
 its heaviest samples.
 
+``entrain_d2`` is entrain with ``max_delay=2`` (opt-in bounded delay: heavy samples wait up
+to two iterations, carried and aged the same way). Per row the header gives the best peer,
+the best peer that keeps samples in their iteration (megatron_dp_balanced, verl_kk,
+orchmllm, disttrain) and the whole-sample bound on the busiest stage (the largest sample
+over a mean microbatch, and the LPT lower bound on the largest microbatch); per method,
+``vsKeep`` is the throughput over the best keeping peer's, ``maxTok`` / ``maxPt`` the
+largest LLM set in tokens and encoder set in patches (entrain honours both caps, the patch
+cap by the token cap's rule); a summary checks the issue's claims over every row.
+
     python bench/balance.py                       # paper setting: B=512, dp=4, M=32
     python bench/balance.py --batch 4096 --dp 16 --microbatches 16
 

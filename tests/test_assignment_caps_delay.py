@@ -153,3 +153,21 @@ def test_level1_balances_every_module_across_many_replicas(dp):
     sums = np.stack([w[row[row >= 0]].sum(axis=0) for row in members])
     dev = np.abs(sums / sums.mean(axis=0) - 1).max()
     assert dev < 0.02, dev
+
+
+def test_large_batches_run_the_search_too():
+    """No batch-size threshold: at 4096 samples the pipeline search still moves samples."""
+    import entrain_data.assignment.pipeline_search as ps
+
+    rng = np.random.default_rng(4)
+    enc, llm, tok, _ = _batch(rng, 4096, heavy=0.03)
+    kw = dict(dp=16, microbatches=16, seed=2)
+    a = assign(enc, llm, tok, **kw)
+    saved = ps._ROUNDS
+    ps._ROUNDS = 0
+    try:
+        plain = assign(enc, llm, tok, **kw)
+    finally:
+        ps._ROUNDS = saved
+    check_assignment(a, 4096, tok)
+    assert a.to_dict() != plain.to_dict()
