@@ -14,7 +14,16 @@ from entrain_data.presets import ModelSpec
 from entrain_data.real_workloads import list_real_workloads, real_workload
 from entrain_data.workloads import synthesize
 
-__all__ = ["MODELS", "RESULTS", "SHARED_DATA", "caps", "pick_stages", "tables", "model_costs"]
+__all__ = [
+    "MODELS",
+    "RESULTS",
+    "SHARED_DATA",
+    "caps",
+    "patch_caps",
+    "pick_stages",
+    "tables",
+    "model_costs",
+]
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -33,6 +42,15 @@ def caps(tokens: np.ndarray, dp: int, m: int) -> tuple[int, int]:
     per_mb = float(tokens.sum()) / (dp * m)
     cap = max(int(tokens.max()), int(math.ceil(1.5 * per_mb)))
     return int(math.ceil(cap / 256) * 256), int(math.ceil(2 * per_mb))
+
+
+def patch_caps(patches: np.ndarray, dp: int, m: int) -> np.ndarray:
+    """[E] encoder patch cap per encoder set, by the token cap's rule: 1.5x a mean
+    microbatch's patches, at least the largest sample, 256-aligned."""
+    pt = np.asarray(patches).reshape(len(patches), -1)
+    per_mb = pt.sum(axis=0) / (dp * m)
+    cap = np.maximum(pt.max(axis=0), np.ceil(1.5 * per_mb))
+    return (np.ceil(np.maximum(cap, 1) / 256) * 256).astype(np.int64)
 
 
 def pick_stages(model: ModelSpec, costs: SampleCosts, batches: np.ndarray, pp: int):

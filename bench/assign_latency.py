@@ -2,8 +2,8 @@
 
 The loader runs the assignment ahead of training, once per iteration, so it
 must stay far below an iteration (seconds). Costs come from the cost model on
-the qwen2vl-dynamic workload (Qwen2.5-VL ViT + Llama-3.2-1B); the token cap and
-deferral budget follow the planner's rule.
+the qwen2vl-dynamic workload (Qwen2.5-VL ViT + Llama-3.2-1B); the token cap, the
+encoder patch cap and the deferral budget follow the planner's rule.
 
     python bench/assign_latency.py                     # every method, B 512..65536
     python bench/assign_latency.py --methods entrain --batches 8192 --dps 128 --microbatches 16
@@ -23,9 +23,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import RESULTS, caps, model_costs  # noqa: E402
+from _common import RESULTS, caps, model_costs, patch_caps  # noqa: E402
 
-from entrain_data.assignment import CAP_AWARE, METHODS, assign  # noqa: E402
+from entrain_data.assignment import CAP_AWARE, METHODS, PATCH_CAP_AWARE, assign  # noqa: E402
 from entrain_data.workloads import synthesize  # noqa: E402
 
 
@@ -42,6 +42,7 @@ def main(argv=None) -> int:
     table = synthesize(args.workload, max(sizes), seed=0)
     costs = model_costs("vl-1b", table)
     enc_all, llm_all, tok_all = costs.encoder_cost(), costs.llm_cost(), costs.llm_tokens
+    pt_all = costs.encoder_tokens.astype(np.int64)
     rows_out = []
     print(f"{'method':22s} {'B':>6s} {'dp':>4s} {'M':>3s} {'wall ms':>9s} {'cpu ms':>8s}")
     for method in args.methods.split(","):
@@ -53,14 +54,17 @@ def main(argv=None) -> int:
                 if method in ("megatron_dp_balanced", "wlb_llm") and b > 8192:
                     continue  # per-sample Python loops, as the peers' own code: minutes at 64k
                 rows = np.random.default_rng(b + dp).choice(len(table), b, replace=False)
-                enc, llm, tok = enc_all[rows], llm_all[rows], tok_all[rows]
+                enc, llm, tok, pt = enc_all[rows], llm_all[rows], tok_all[rows], pt_all[rows]
                 cap, budget = caps(tok, dp, m)
+                pcap = patch_caps(pt, dp, m) if method in PATCH_CAP_AWARE else None
                 kw = dict(
                     dp=dp,
                     microbatches=m,
                     defer_budget=budget,
                     method=method,
                     max_tokens=cap if method in CAP_AWARE else None,
+                    encoder_patches=pt,
+                    max_encoder_patches=pcap,
                 )
                 wall, cpu = [], []
                 for it in range(args.repeats):

@@ -14,6 +14,15 @@ iterations. Without the flush a queue that has not filled by the last
 iteration is never trained, and the window credits the method for skipping
 its heaviest samples.
 
+``entrain_d2`` is entrain with ``max_delay=2`` (opt-in bounded delay: heavy samples wait up
+to two iterations, carried and aged the same way). Per row the header gives the best peer,
+the best peer that keeps samples in their iteration (megatron_dp_balanced, verl_kk,
+orchmllm, disttrain) and the whole-sample bound on the busiest stage (the largest sample
+over a mean microbatch, and the LPT lower bound on the largest microbatch); per method,
+``vsKeep`` is the throughput over the best keeping peer's, ``maxTok`` / ``maxPt`` the
+largest LLM set in tokens and encoder set in patches (entrain honours both caps, the patch
+cap by the token cap's rule); a summary checks the issue's claims over every row.
+
     python bench/balance.py                       # paper setting: B=512, dp=4, M=32
     python bench/balance.py --batch 4096 --dp 16 --microbatches 16
 
@@ -32,9 +41,16 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import MODELS, RESULTS, caps, model_costs, pick_stages, tables  # noqa: E402
+from _common import MODELS, RESULTS, caps, model_costs, patch_caps, pick_stages, tables  # noqa: E402
 
-from entrain_data.assignment import CAP_AWARE, DEFERRING, METHODS, assign, check_assignment  # noqa: E402
+from entrain_data.assignment import (  # noqa: E402
+    CAP_AWARE,
+    DEFERRING,
+    METHODS,
+    PATCH_CAP_AWARE,
+    assign,
+    check_assignment,
+)
 from entrain_data.errors import InvalidInput  # noqa: E402
 from entrain_data.metrics import microbatch_loads, stage_cv  # noqa: E402
 from entrain_data.presets import ModelSpec  # noqa: E402
@@ -46,33 +62,51 @@ from entrain_data.simulator import (  # noqa: E402
 )
 
 PEERS = tuple(m for m in METHODS if m != "entrain")
+# peers that keep every sample in its iteration (entrain's default contract)
+KEEPING = ("megatron_dp_balanced", "verl_kk", "orchmllm", "disttrain")
+DELAY = 2  # max_delay of the bench's "entrain_d2" row
+BENCH_METHODS = METHODS + ("entrain_d2",)
 
 
-def run_method(method, costs, per_stage, batches, dp, m, seed):
+def run_method(name, costs, per_stage, batches, dp, m, seed):
     """K iterations of one method; returns summary figures and the per-iteration loads."""
+    method = "entrain" if name == "entrain_d2" else name
+    delay = DELAY if name == "entrain_d2" else 0
     enc_all = costs.encoder_cost()
     llm_all = costs.llm_cost()
     tok_all = costs.llm_tokens
+    pt_all = costs.encoder_tokens.astype(np.int64)  # [N, E] encoder patches
     carried_rows = np.zeros(0, np.int64)
+    carried_age = np.zeros(0, np.int64)
     cv_e, cv_l, st_cv, times, ideals, lat, loads = [], [], [], [], [], [], []
+    max_tok = max_pt = uncapped = 0
     consumed = 0
     work = 0.0
     sample_work = enc_all.sum(axis=1) + llm_all
     for it, fresh in enumerate(batches):
         rows = np.concatenate([carried_rows, fresh])
-        enc, llm, tok = enc_all[rows], llm_all[rows], tok_all[rows]
+        ages = np.concatenate([carried_age, np.zeros(len(fresh), np.int64)])
+        enc, llm, tok, pt = enc_all[rows], llm_all[rows], tok_all[rows], pt_all[rows]
         cap, budget = caps(tok, dp, m)
         cap_m = cap if method in CAP_AWARE else None
+        pcap = patch_caps(pt, dp, m) if method in PATCH_CAP_AWARE else None
         kw = dict(dp=dp, microbatches=m, defer_budget=budget, method=method, seed=seed)
-        kw.update(iteration=it, flush=it == len(batches) - 1)
+        kw.update(iteration=it, flush=it == len(batches) - 1, max_delay=delay, ages=ages)
+        kw.update(encoder_patches=pt)
         t0 = time.perf_counter()
         try:
-            a = assign(enc, llm, tok, max_tokens=cap_m, **kw)
+            a = assign(enc, llm, tok, max_tokens=cap_m, max_encoder_patches=pcap, **kw)
         except InvalidInput:  # e.g. original-order packing cannot meet the cap: its own capacity
-            cap_m = None
+            cap_m = pcap = None
+            uncapped += 1
             a = assign(enc, llm, tok, **kw)
         lat.append(time.perf_counter() - t0)
-        check_assignment(a, len(rows), tok, cap_m, budget if method in DEFERRING else None)
+        check_assignment(
+            a, len(rows), tok, cap_m, budget if method in DEFERRING else None, pt, pcap
+        )
+        max_tok = max(max_tok, max(int(tok[s].sum()) for row in a.llm_sets for s in row))
+        max_pt = max(max_pt, max(int(pt[s].sum()) for row in a.encoder_sets for s in row))
+        carried_age = ages[a.carried] + 1
         carried_rows = rows[a.carried]
         consumed += len(rows) - len(a.carried)
         work += float(sample_work[rows].sum() - sample_work[carried_rows].sum())
@@ -99,7 +133,30 @@ def run_method(method, costs, per_stage, batches, dp, m, seed):
         "throughput": work / total if total > 0 else 0.0,
         "assign_ms_median": float(np.median(lat) * 1e3),
         "carried_at_end": int(len(carried_rows)),
+        "max_mb_tokens": max_tok,  # largest LLM set, tokens
+        "max_mb_patches": max_pt,  # largest encoder set, patches (all encoders)
+        "iterations_uncapped": uncapped,
     }, loads
+
+
+def whole_sample_bound(per_stage, batches, dp, m) -> dict:
+    """What no method keeping samples whole can beat, on the busiest stage of each batch:
+    the largest sample's load over a mean microbatch's, and the LPT lower bound on the
+    largest microbatch (max of the mean, the largest sample, and the two samples that
+    must share a microbatch when there are more samples than microbatches), both over
+    the mean microbatch load; means over the batches."""
+    c = sum(per_stage)  # [N, S] forward + backward per stage
+    bins = dp * m
+    big, lb = [], []
+    for rows in batches:
+        x = c[rows]
+        s = int(np.argmax(x.sum(axis=0)))
+        v = np.sort(x[:, s])[::-1]
+        mean = v.sum() / bins
+        pair = v[bins - 1] + v[bins] if len(v) > bins else 0.0
+        big.append(v[0] / mean)
+        lb.append(max(mean, v[0], pair) / mean)
+    return {"max_sample_over_mean_mb": float(np.mean(big)), "lpt_bound": float(np.mean(lb))}
 
 
 def bench_one(name, table, model_name, args):
@@ -114,35 +171,43 @@ def bench_one(name, table, model_name, args):
     stages = pick_stages(model, costs, np.stack(batches), args.pp)
     per_stage = stage_sample_costs(costs, stages)
     res, loads = {}, {}
-    for method in METHODS:
+    for method in BENCH_METHODS:
         res[method], loads[method] = run_method(
             method, costs, per_stage, batches, args.dp, args.microbatches, args.seed
         )
     seq = res["sequential"]
     best_peer = max(PEERS, key=lambda k: res[k]["throughput"])
+    best_keep = max(KEEPING, key=lambda k: res[k]["throughput"])
     for v in res.values():
         v["vs_sequential_cv_encoder"] = seq["cv_encoder"] / max(v["cv_encoder"], 1e-12)
         v["vs_sequential_cv_llm"] = seq["cv_llm"] / max(v["cv_llm"], 1e-12)
         v["speedup_vs_sequential"] = v["throughput"] / seq["throughput"]
         v["speedup_vs_best_peer"] = v["throughput"] / res[best_peer]["throughput"]
+        v["speedup_vs_best_keeping_peer"] = v["throughput"] / res[best_keep]["throughput"]
     return {
         "workload": name,
         "model": model_name,
         "modules": list(model.module_names),
         "stages": [st.module for st in stages],
         "best_peer": best_peer,
+        "best_keeping_peer": best_keep,
+        "bound": whole_sample_bound(per_stage, batches, args.dp, args.microbatches),
         "methods": res,
     }, loads
 
 
 def print_table(r) -> None:
+    bd = r["bound"]
     print(
         f"\n== {r['workload']}  model={r['model']}  stages={'|'.join(r['stages'])}  "
-        f"best peer={r['best_peer']}"
+        f"best peer={r['best_peer']}  best keeping peer={r['best_keeping_peer']}  "
+        f"bound: max sample/mean mb={bd['max_sample_over_mean_mb']:.3f} "
+        f"LPT={bd['lpt_bound']:.3f}"
     )
     print(
         f"{'method':22s} {'cvE':>7s} {'cvL':>7s} {'xSeqE':>6s} {'xSeqL':>6s} {'stageCV':>22s} "
-        f"{'T(s)':>8s} {'T/ideal':>8s} {'vsSeq':>6s} {'vsBest':>7s} {'ms':>6s} {'carried':>7s}"
+        f"{'T(s)':>8s} {'T/ideal':>8s} {'vsSeq':>6s} {'vsBest':>7s} {'vsKeep':>7s} {'ms':>6s} "
+        f"{'carried':>7s} {'maxTok':>7s} {'maxPt':>7s}"
     )
     for k, v in r["methods"].items():
         scv = ",".join(f"{x:.2f}" for x in v["stage_cv"])
@@ -151,8 +216,42 @@ def print_table(r) -> None:
             f"{v['vs_sequential_cv_encoder']:6.2f} {v['vs_sequential_cv_llm']:6.2f} {scv:>22s} "
             f"{v['iteration_time']:8.3f} {v['ratio_to_ideal']:8.4f} "
             f"{v['speedup_vs_sequential']:6.3f} {v['speedup_vs_best_peer']:7.4f} "
-            f"{v['assign_ms_median']:6.1f} {v['carried_at_end']:7d}"
+            f"{v['speedup_vs_best_keeping_peer']:7.4f} "
+            f"{v['assign_ms_median']:6.1f} {v['carried_at_end']:7d} {v['max_mb_tokens']:7d} "
+            f"{v['max_mb_patches']:7d}{'  (uncapped)' if v['iterations_uncapped'] else ''}"
         )
+
+
+def summary(out) -> None:
+    """The issue's checks over every row: ratios, CVs against sequential, T/ideal, caps."""
+    if not out:
+        return
+    keep = [r["methods"]["entrain"]["speedup_vs_best_keeping_peer"] for r in out]
+    d2 = [r["methods"]["entrain_d2"]["speedup_vs_best_peer"] for r in out]
+    print(
+        f"\nentrain vs best keeping peer: min {min(keep):.4f} mean {np.mean(keep):.4f}; "
+        f"rows below 1.000: {sum(k < 1 for k in keep)}/{len(keep)}"
+    )
+    print(
+        f"entrain_d2 vs best peer (wlb_llm included): min {min(d2):.4f} mean {np.mean(d2):.4f}; "
+        f"rows below 1.000: {sum(k < 1 for k in d2)}/{len(d2)}"
+    )
+    for k in ("cv_encoder", "cv_llm", "max_mb_tokens", "max_mb_patches"):
+        strict = k.startswith("cv")  # CVs must be below sequential's, sizes not above
+        bad = []
+        for r in out:
+            e, q = r["methods"]["entrain"][k], r["methods"]["sequential"][k]
+            if e > q or (strict and e >= q):
+                bad.append(f"{r['workload']}/{r['model']}")
+        word = "not below" if strict else "above"
+        print(f"entrain {k} {word} sequential's on: {', '.join(bad) or 'no row'}")
+    over = [
+        f"{r['workload']}/{r['model']} ({r['methods']['entrain']['ratio_to_ideal']:.3f}, "
+        f"LPT bound {r['bound']['lpt_bound']:.3f})"
+        for r in out
+        if r["methods"]["entrain"]["ratio_to_ideal"] > 1.03
+    ]
+    print(f"entrain T/ideal > 1.03 on: {'; '.join(over) or 'no row'}")
 
 
 def plot(loads, title, path: Path, iterations: int = 3) -> None:
@@ -213,6 +312,7 @@ def main(argv=None) -> int:
                     RESULTS / f"balance{suffix}.png",
                 )
                 plotted = True
+    summary(out)
     doc = {"setting": vars(args), "results": out}
     (RESULTS / f"balance{suffix}.json").write_text(json.dumps(doc, indent=1))
     print(f"\nwrote {RESULTS / f'balance{suffix}.json'}")

@@ -167,6 +167,9 @@ class ParallelPlan:
     max_tokens: int
     defer_budget: int
     method: str = "entrain"
+    # encoder patches per encoder set (each encoder; the memory model's figure), 0: no cap
+    max_encoder_patches: int = 0
+    max_delay: int = 0  # iterations a heavy sample may wait (assign(..., max_delay)); 0: none
     schedule: str = "1f1b"
     expected_iteration_time: float = 0.0
     ideal_iteration_time: float = 0.0
@@ -186,6 +189,10 @@ class ParallelPlan:
             v = getattr(self, f)
             if not isinstance(v, int) or v < 1:
                 raise InvalidInput(f"plan: field {f!r} must be a positive integer, got {v!r}")
+        for f in ("max_encoder_patches", "max_delay"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise InvalidInput(f"plan: field {f!r} must be an integer >= 0, got {v!r}")
         if not isinstance(self.defer_budget, int) or self.defer_budget < 0:
             raise InvalidInput(
                 f"plan: field 'defer_budget' must be an integer >= 0, got {self.defer_budget!r}"
@@ -291,6 +298,8 @@ class ParallelPlan:
                     "method",
                     "model",
                 )
+                # new fields count only when set, so earlier plans keep their fingerprint
+                or (k in ("max_encoder_patches", "max_delay") and v)
             },
             sort_keys=True,
         )

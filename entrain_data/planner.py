@@ -230,6 +230,7 @@ def make_plan(
         global_batch=global_batch,
         max_tokens=cap,
         defer_budget=budget,
+        max_encoder_patches=_patch_cap(ctx, c.dp, c.microbatches, costs.encoder_tokens),
         schedule=schedule,
         expected_iteration_time=float(means[best]),
         ideal_iteration_time=_ideal(means_fb[best], c.microbatches, schedule),
@@ -331,6 +332,16 @@ def _caps(ctx: _Context, dp: int, m: int) -> tuple[int, int]:
 def _share_need(ctx: _Context, dp: int, m: int) -> int:
     heavy = max(int(ctx.tokens_b.sum(axis=1).max()), ctx.heavy_batch)
     return share_need(heavy, ctx.largest_sample, dp, m)
+
+
+def _patch_cap(ctx: _Context, dp: int, m: int, table_patches: np.ndarray) -> int:
+    """Encoder patches per encoder set: the memory model's figure (1.5x the heaviest batch's
+    mean), at least the table's largest sample (none unassignable); 0 without encoders."""
+    largest = int(table_patches.max(initial=0))
+    if largest <= 0:
+        return 0
+    per_mb = ctx.enc_tokens_b.sum(axis=1).max() / (dp * m)
+    return max(int(math.ceil(1.5 * per_mb)), int(ctx.enc_tokens_b.max()), largest)
 
 
 def _candidates(

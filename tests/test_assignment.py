@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from entrain_data.assignment import CAP_AWARE, DEFERRING, METHODS, assign, check_assignment
+from entrain_data.assignment.pipeline_search import _CV_FLOOR, _CV_SLACK
 from entrain_data.errors import InvalidInput
 
 
@@ -121,7 +122,10 @@ def test_entrain_encoder_sets_reach_the_whole_sample_bound_on_heavy_tails():
     for r in range(4):
         loads = np.array([enc[s].sum() for s in a.encoder_sets[r]])
         bound = _waterfill_cv(enc[np.concatenate(a.encoder_sets[r])], 32)
-        assert loads.std() / loads.mean() <= bound * 1.05 + 1e-3
+        # LPT sets within 5% of the bound; the pipeline search may then trade up to its
+        # documented encoder-CV allowance (_CV_SLACK, _CV_FLOOR) for a shorter pipeline
+        lpt = bound * 1.05 + 1e-3
+        assert loads.std() / loads.mean() <= lpt * (1 + _CV_SLACK) + _CV_FLOOR
 
 
 class _Deferred:

@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from entrain_data.assignment import assign, check_assignment
+from entrain_data.assignment.common import Replicas
 from entrain_data.assignment.pipeline_search import (
     _CV_FLOOR,
     _CV_SLACK,
@@ -84,9 +85,21 @@ def test_search_keeps_invariants_never_slows_the_proxy_and_respects_cv_limits(se
     before = proxy(eidx, lidx)
     cv0 = _cvs(eidx, lidx, valid, enc, llm, m)
     rng = np.random.default_rng(seed)
-    e2, l2 = refine_by_pipeline(
-        eidx, lidx, valid, has_enc, enc, llm, tok, m, cap, budget, rng, rounds=12
+    rp = Replicas(
+        members=np.where(valid, 0, -1),
+        valid=valid,
+        has_enc=has_enc,
+        enc_cols=enc,
+        enc_w=enc.sum(axis=2),
+        llm=llm,
+        tok=tok,
+        patches=np.zeros(enc.shape, np.int64),
+        m=m,
+        cap=cap,
+        budget=budget,
+        patch_cap=None,
     )
+    e2, l2 = refine_by_pipeline(rp, eidx, lidx, rng, rounds=12)
     assert (proxy(e2, l2) <= before * (1 + 1e-9)).all()
     assert ((l2 >= e2) | ~valid).all()
     assert (e2[valid & ~has_enc] == l2[valid & ~has_enc]).all()
@@ -116,14 +129,14 @@ def test_search_shortens_the_simulated_iteration_on_a_heavy_tail():
     llm = tokens * 1e-4
     a = assign(enc, llm, tokens, dp=4, microbatches=32, seed=1)
     check_assignment(a, b, tokens)
-    import entrain_data.assignment.entrain as ent
+    import entrain_data.assignment.pipeline_search as ps
 
-    saved = ent._SEARCH_BELOW
-    ent._SEARCH_BELOW = 0
+    saved = ps._ROUNDS
+    ps._ROUNDS = 0
     try:
         plain = assign(enc, llm, tokens, dp=4, microbatches=32, seed=1)
     finally:
-        ent._SEARCH_BELOW = saved
+        ps._ROUNDS = saved
 
     def sim(x):
         from entrain_data.simulator import simulate_pipeline

@@ -9,6 +9,7 @@ See :mod:`.entrain` for the method (with :mod:`.replica_split`, :mod:`.encoder_s
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 
@@ -22,9 +23,19 @@ from .baselines import (
     assign_wlb_llm,
 )
 from .common import Assignment, Inputs, check_assignment, validate_inputs
+from .delay import delayed_samples
 from .entrain import assign_entrain
 
-__all__ = ["assign", "Assignment", "METHODS", "CAP_AWARE", "DEFERRING", "check_assignment"]
+__all__ = [
+    "assign",
+    "Assignment",
+    "METHODS",
+    "CAP_AWARE",
+    "DEFERRING",
+    "DELAYING",
+    "PATCH_CAP_AWARE",
+    "check_assignment",
+]
 
 METHODS = (
     "entrain",
@@ -39,6 +50,10 @@ CAP_AWARE = frozenset({"entrain", "megatron_dp_balanced", "wlb_llm"})
 """Methods that honour ``max_tokens``; the others do not know a cap (as the peers they follow)."""
 DEFERRING = frozenset({"entrain"})
 """Methods whose LLM sets may differ from their encoder sets (and so honour ``defer_budget``)."""
+PATCH_CAP_AWARE = frozenset({"entrain"})
+"""Methods that honour ``max_encoder_patches``."""
+DELAYING = frozenset({"entrain"})
+"""Methods that honour ``max_delay`` (``wlb_llm`` carries by its own, unbounded rule)."""
 
 _BASELINES: dict[str, Callable[[Inputs], Assignment]] = {
     "sequential": assign_sequential,
@@ -63,6 +78,10 @@ def assign(
     seed: int = 0,
     iteration: int = 0,
     flush: bool = False,
+    encoder_patches: np.ndarray | None = None,
+    max_encoder_patches: int | np.ndarray | None = None,
+    max_delay: int = 0,
+    ages: np.ndarray | None = None,
 ) -> Assignment:
     """Assign a global batch to ``dp`` replicas x ``microbatches`` encoder and LLM sets.
 
@@ -72,16 +91,56 @@ def assign(
     encoded but not yet consumed at any microbatch boundary. Deterministic for
     (seed, iteration). ``flush`` marks the last iteration of a run or epoch: a
     method that carries work to the next iteration (``wlb_llm``) releases all
-    of it here; the other methods ignore it. Raises :class:`~entrain_data.errors.InvalidInput` (a
-    ``ValueError``) naming the problem on bad input.
+    of it here; the other methods ignore it.
+
+    ``encoder_patches`` ([B] or [B, E] integers, one column per encoder) with
+    ``max_encoder_patches`` (one int, or one per encoder) caps the patches of every
+    encoder set (entrain; a sample above the cap is an error). ``max_delay=K > 0``
+    (entrain, opt-in): a heavy sample may wait up to K iterations (see :mod:`.delay`);
+    the waiting ones are returned in ``carried`` and the caller prepends them to the
+    next batch with ``ages`` (iterations each sample has waited so far) plus one.
+    Raises :class:`~entrain_data.errors.InvalidInput` (a ``ValueError``) naming the
+    problem on bad input.
     """
     if method not in METHODS:
         raise InvalidInput(
             f"unknown assignment method {method!r}; choose one of {', '.join(METHODS)}"
         )
-    x = validate_inputs(encoder_cost, llm_cost, tokens, dp, microbatches, max_tokens, defer_budget)
+    x = validate_inputs(
+        encoder_cost,
+        llm_cost,
+        tokens,
+        dp,
+        microbatches,
+        max_tokens,
+        defer_budget,
+        encoder_patches,
+        max_encoder_patches,
+        max_delay,
+        ages,
+    )
     if method == "entrain":
-        return assign_entrain(x, seed, iteration)
+        return _entrain_with_delay(x, seed, iteration, flush)
     if method == "wlb_llm":
         return assign_wlb_llm(x, flush=flush)
     return _BASELINES[method](x)
+
+
+def _entrain_with_delay(x: Inputs, seed: int, iteration: int, flush: bool) -> Assignment:
+    """Entrain over the samples that stay (all of them unless ``max_delay`` > 0)."""
+    carried = delayed_samples(x, flush)
+    if len(carried) == 0:
+        return assign_entrain(x, seed, iteration)
+    keep = np.setdiff1d(np.arange(x.n), carried)
+    sub = replace(
+        x,
+        enc=x.enc[keep],
+        llm=x.llm[keep],
+        tokens=x.tokens[keep],
+        patches=None if x.patches is None else x.patches[keep],
+        ages=x.ages[keep],
+    )
+    a = assign_entrain(sub, seed, iteration)
+    enc = [[keep[s] for s in row] for row in a.encoder_sets]
+    llm = [[keep[s] for s in row] for row in a.llm_sets]
+    return Assignment(a.method, a.dp, a.microbatches, enc, llm, carried)

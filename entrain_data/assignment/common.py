@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from ..errors import InvalidInput
 
-__all__ = ["Assignment", "Inputs", "validate_inputs", "check_assignment", "rng_for"]
+__all__ = [
+    "Assignment",
+    "Inputs",
+    "Replicas",
+    "Candidate",
+    "validate_inputs",
+    "check_assignment",
+    "rng_for",
+    "slot_sums",
+]
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,14 +77,82 @@ class Inputs:
     microbatches: int
     max_tokens: int | None
     defer_budget: int | None
+    patches: np.ndarray | None = None  # [B, E] int64 encoder patches, None when not given
+    patch_cap: np.ndarray | None = None  # [E] int64 cap per encoder set, None: no cap
+    max_delay: int = 0
+    ages: np.ndarray | None = None  # [B] iterations each sample has already been carried
 
     @property
     def n(self) -> int:
         return len(self.llm)
 
 
+@dataclass(frozen=True, eq=False)
+class Replicas:
+    """Level 1's answer as [R, n] arrays (pads: ``valid`` False) with level 2's limits.
+
+    One value instead of nine positional arrays: every level-2 builder, the
+    scorer and the pipeline search read what they need from it.
+    """
+
+    members: np.ndarray  # [R, n] sample index, -1 pads
+    valid: np.ndarray  # [R, n] bool
+    has_enc: np.ndarray  # [R, n] bool: the sample has encoder work (may be deferred)
+    enc_cols: np.ndarray  # [R, n, E] encoder cost per column
+    enc_w: np.ndarray  # [R, n] encoder work, columns normalised to mean 1 and summed
+    llm: np.ndarray  # [R, n] LLM cost
+    tok: np.ndarray  # [R, n] int64 LLM tokens
+    patches: np.ndarray  # [R, n, E] int64 encoder patches (zeros when not given)
+    m: int
+    cap: int | None  # LLM tokens per L set
+    budget: int | None  # deferral buffer, tokens
+    patch_cap: np.ndarray | None  # [E] patches per E set
+
+    def take(self, replicas: np.ndarray) -> Replicas:
+        """The same value restricted to some replicas (rows), e.g. the slowest ones."""
+        arrays = ("members", "valid", "has_enc", "enc_cols", "enc_w", "llm", "tok", "patches")
+        return replace(self, **{k: getattr(self, k)[replicas] for k in arrays})
+
+
+@dataclass(frozen=True, eq=False)
+class Candidate:
+    """A level-2 answer for every replica: E and L microbatch per member, and the replicas
+    where it breaks a cap or the budget (they must not use it)."""
+
+    eidx: np.ndarray  # [R, n] encoder microbatch, -1 pads
+    lidx: np.ndarray  # [R, n] LLM microbatch, -1 pads
+    failed: np.ndarray  # [R] bool
+
+
+def slot_sums(idx: np.ndarray, values: np.ndarray, valid: np.ndarray, m: int) -> np.ndarray:
+    """[R, m, *extra] sums of ``values`` [R, n, *extra] over the members of each slot ``idx``.
+
+    One ``bincount`` over flattened (replica, slot, column) keys: several times faster
+    than ``np.add.at``, which dominates the level-2 cost otherwise.
+    """
+    r_count = idx.shape[0]
+    valid = valid & (idx >= 0)  # unplaced members (a failed candidate's -1) count nowhere
+    extra = values.shape[2:]
+    k = int(np.prod(extra)) if extra else 1
+    key = (np.arange(r_count)[:, None] * m + np.where(valid, idx, 0)).astype(np.int64)
+    w = np.where(valid.reshape(valid.shape + (1,) * len(extra)), values, 0.0)
+    flat = (key[..., None] * k + np.arange(k)).ravel() if extra else key.ravel()
+    out = np.bincount(flat, weights=w.reshape(-1).astype(np.float64), minlength=r_count * m * k)
+    return out.reshape((r_count, m) + extra)
+
+
 def validate_inputs(
-    encoder_cost, llm_cost, tokens, dp, microbatches, max_tokens, defer_budget
+    encoder_cost,
+    llm_cost,
+    tokens,
+    dp,
+    microbatches,
+    max_tokens,
+    defer_budget,
+    encoder_patches=None,
+    max_encoder_patches=None,
+    max_delay=0,
+    ages=None,
 ) -> Inputs:
     """Check shapes, values and feasibility; raise :class:`InvalidInput` naming the problem."""
     enc = np.asarray(encoder_cost, dtype=np.float64)
@@ -136,7 +213,57 @@ def validate_inputs(
                 f"defer_budget must be an integer >= 0 or None, got {defer_budget!r}"
             )
         defer_budget = int(defer_budget)
-    return Inputs(enc, llm, tok, dp, microbatches, max_tokens, defer_budget)
+    patches, patch_cap = _check_patches(enc.shape[1], b, encoder_patches, max_encoder_patches)
+    if not isinstance(max_delay, (int, np.integer)) or max_delay < 0:
+        raise InvalidInput(f"max_delay must be an integer >= 0, got {max_delay!r}")
+    age = np.zeros(b, np.int64) if ages is None else np.asarray(ages)
+    if age.shape != (b,) or not np.issubdtype(age.dtype, np.integer) or (age < 0).any():
+        raise InvalidInput(f"ages must be [{b}] integers >= 0 (iterations carried), got {age!r}")
+    return Inputs(
+        enc,
+        llm,
+        tok,
+        dp,
+        microbatches,
+        max_tokens,
+        defer_budget,
+        patches,
+        patch_cap,
+        int(max_delay),
+        age.astype(np.int64),
+    )
+
+
+def _check_patches(e: int, b: int, encoder_patches, max_encoder_patches):
+    """([B, E] patches or None, [E] cap or None); a sample above the cap is an error."""
+    if encoder_patches is None:
+        if max_encoder_patches is not None:
+            raise InvalidInput("max_encoder_patches needs encoder_patches (patches per sample)")
+        return None, None
+    pt = np.asarray(encoder_patches)
+    if pt.ndim == 1:
+        pt = pt[:, None]
+    if pt.shape != (b, e):
+        raise InvalidInput(f"encoder_patches must be [{b}] or [{b}, {e}], got shape {pt.shape}")
+    if not np.issubdtype(pt.dtype, np.integer) or (pt < 0).any():
+        raise InvalidInput("encoder_patches must be integers >= 0")
+    pt = pt.astype(np.int64)
+    if max_encoder_patches is None:
+        return pt, None
+    cap = np.broadcast_to(np.asarray(max_encoder_patches), (pt.shape[1],))
+    if not np.issubdtype(cap.dtype, np.integer) or (cap < 1).any():
+        raise InvalidInput(
+            f"max_encoder_patches must be positive integers (one or one per encoder), "
+            f"got {max_encoder_patches!r}"
+        )
+    over = np.argwhere(pt > cap[None, :])
+    if len(over):
+        i, k = (int(v) for v in over[0])
+        raise InvalidInput(
+            f"sample {i} has {int(pt[i, k])} patches for encoder {k}, more than the patch cap "
+            f"max_encoder_patches={int(cap[k])}"
+        )
+    return pt, cap.astype(np.int64)
 
 
 def rng_for(seed: int, iteration: int, salt: int = 0) -> np.random.Generator:
@@ -150,12 +277,15 @@ def check_assignment(
     tokens: np.ndarray | None = None,
     max_tokens: int | None = None,
     defer_budget: int | None = None,
+    encoder_patches: np.ndarray | None = None,
+    max_encoder_patches=None,
 ) -> None:
     """Raise :class:`InvalidInput` on any broken invariant of ``a`` over ``n`` samples.
 
     Exactly once in the E sets and in the L sets of one replica (or carried);
-    L index >= E index; every L set within ``max_tokens``; buffered encoder
-    output within ``defer_budget`` at every microbatch boundary.
+    L index >= E index; every L set within ``max_tokens``; every E set within
+    ``max_encoder_patches`` (per encoder column of ``encoder_patches``); buffered
+    encoder output within ``defer_budget`` at every microbatch boundary.
     """
     if len(a.encoder_sets) != a.dp or len(a.llm_sets) != a.dp:
         raise InvalidInput(f"{a.method}: expected {a.dp} replicas")
@@ -190,6 +320,18 @@ def check_assignment(
             f"{a.method}: sample {bad} is consumed by the LLM (microbatch {int(lj[bad])}) before it "
             f"is encoded (microbatch {int(ej[bad])})"
         )
+    if encoder_patches is not None and max_encoder_patches is not None:
+        pt = np.asarray(encoder_patches, dtype=np.int64).reshape(n, -1)
+        pcap = np.broadcast_to(np.asarray(max_encoder_patches, np.int64), (pt.shape[1],))
+        for r in range(a.dp):
+            for j in range(a.microbatches):
+                got = pt[a.encoder_sets[r][j]].sum(axis=0)
+                if (got > pcap).any():
+                    k = int(np.argmax(got > pcap))
+                    raise InvalidInput(
+                        f"{a.method}: replica {r} encoder set {j} holds {int(got[k])} patches of "
+                        f"encoder {k} > max_encoder_patches={int(pcap[k])}"
+                    )
     if tokens is None:
         return
     tokens = np.asarray(tokens, dtype=np.int64)

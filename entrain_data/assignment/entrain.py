@@ -23,7 +23,7 @@ to joint sets (E_j == L_j) packed first-fit-decreasing under the cap, so the
 invariants hold for every input the validation accepts, or a clear error says
 why the cap cannot be met.
 
-Below ``_SEARCH_BELOW`` samples the chosen sets are then refined against a
+At every batch size the chosen sets are then refined against a
 simulated 1F1B pipeline (:mod:`.pipeline_search`): whole-sample moves that
 shorten a proxy pipeline's iteration while every module's per-microbatch CV
 stays within a stated slack of the sets' own (4% encoders, 10% LLM).
@@ -33,24 +33,24 @@ The levels live in modules of their own: :mod:`.replica_split` (level 1),
 this module builds the level-2 candidates, scores them and picks one per replica:
 among the candidates balanced within a stated share of the best (the sum of squared
 per-module CVs), the one with the shortest proxy 1F1B iteration
-(:func:`.pipeline_search.proxy_times`). Global batches from ``_ALL_CANDIDATES_BELOW``
-samples build one candidate and skip the pick.
+(:func:`.pipeline_search.proxy_times`). There is no batch-size threshold: every size
+builds every candidate and runs the search (vectorised over replicas; the search's
+work is bounded at any dp: with many replicas it searches the slowest ones, which set the
+iteration time, see :func:`.pipeline_search.refine_slowest`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .common import Assignment, Inputs, rng_for
+from .common import Assignment, Candidate, Inputs, Replicas, rng_for, slot_sums
 from .encoder_sets import lpt_bins, order_by_llm, order_mountain, refine_bins, vector_bins
-from .llm_sets import ffd_joint, fits_cap, llm_sets_fill, llm_sets_lpt
-from .pipeline_search import proxy_times, refine_by_pipeline
+from .llm_sets import ffd_joint, fits_cap, fits_patches, llm_sets_fill, llm_sets_lpt
+from .pipeline_search import _per_stage, proxy_times, refine_slowest
 from .replica_split import norm_columns, split_replicas
 
-__all__ = ["assign_entrain", "split_replicas", "lpt_bins"]
+__all__ = ["assign_entrain", "split_replicas", "lpt_bins", "replicas_of"]
 
-_ALL_CANDIDATES_BELOW = 4096  # global batches this small try every level-2 candidate
-_SEARCH_BELOW = 4096  # global batches this small refine the sets on a simulated pipeline
 _MOUNTAIN = True
 # candidates whose balance score is within this share of the best are ranked by proxy time
 _TIME_PICK_SLACK = 0.6
@@ -58,127 +58,128 @@ _EDGE_WEIGHT = 0.05  # 1F1B fill/drain: a heavy first or last microbatch costs t
 _ENC_SLACK = 0.10  # a candidate's encoder CV may exceed the LPT sets' by this share
 
 
-def _score(eidx, lidx, valid, enc_cols, llm, m):
+def _score(rp: Replicas, eidx: np.ndarray, lidx: np.ndarray):
     """[R] how unbalanced a candidate is: the sum over modules (each encoder from E, the
     LLM from L) of the squared CV of per-microbatch load, plus the worst peak/mean as a
     small tie-break. Squared CVs favour candidates with no badly balanced module.
     Also returns the worst encoder column's CV (encoder balance comes first)."""
-    r_count = llm.shape[0]
-    rr = np.broadcast_to(np.arange(r_count)[:, None], llm.shape)
-    cols = [(eidx, enc_cols[..., e]) for e in range(enc_cols.shape[2])] + [(lidx, llm)]
-    score = np.zeros(r_count)
-    worst = np.zeros(r_count)
-    enc_cv = np.zeros(r_count)
-    for k, (idx, c) in enumerate(cols):
-        ok = valid & (idx >= 0)
-        loads = np.zeros((r_count, m))
-        np.add.at(loads, (rr[ok], idx[ok]), c[ok])
-        mean = loads.mean(axis=1)
-        safe = np.where(mean > 0, mean, 1.0)
-        cv = np.where(mean > 0, loads.std(axis=1) / safe, 0.0)
-        score += cv**2
-        if k < len(cols) - 1:
-            enc_cv = np.maximum(enc_cv, cv)
-        worst = np.maximum(worst, np.where(mean > 0, loads.max(axis=1) / safe, 1.0))
-        edge = np.maximum(loads[:, 0], loads[:, -1]) / safe - 1.0
-        score += _EDGE_WEIGHT * np.where(mean > 0, np.maximum(edge, 0.0), 0.0) / len(cols)
+    r_count, m = rp.llm.shape[0], rp.m
+    ok = rp.valid & (eidx >= 0)
+    e_loads = slot_sums(eidx, rp.enc_cols, ok, m)  # [R, m, E]
+    l_loads = slot_sums(lidx, rp.llm, rp.valid & (lidx >= 0), m)[..., None]
+    loads = np.concatenate([e_loads, l_loads], axis=2)  # [R, m, K]
+    mean = loads.mean(axis=1)
+    safe = np.where(mean > 0, mean, 1.0)
+    cv = np.where(mean > 0, loads.std(axis=1) / safe, 0.0)  # [R, K]
+    edge = np.maximum(loads[:, 0], loads[:, -1]) / safe - 1.0
+    edge = np.where(mean > 0, np.maximum(edge, 0.0), 0.0)
+    worst = np.where(mean > 0, loads.max(axis=1) / safe, 1.0).max(axis=1)
+    score = (cv**2).sum(axis=1) + _EDGE_WEIGHT * edge.mean(axis=1)
+    enc_cv = cv[:, :-1].max(axis=1) if cv.shape[1] > 1 else np.zeros(r_count)
     return score + 1e-3 * worst, enc_cv
 
 
-def assign_entrain(x: Inputs, seed: int, iteration: int, tolerance: float = 0.02) -> Assignment:
-    """Entrain's two-level assignment of ``x`` (see the module docstring)."""
-    rng = rng_for(seed, iteration, 1)
-    r_count, m = x.dp, x.microbatches
-    w = norm_columns(np.concatenate([x.enc, x.llm[:, None]], axis=1))
-    members = split_replicas(w, r_count, rng)  # [R, n]
+def replicas_of(x: Inputs, members: np.ndarray) -> Replicas:
+    """Level 1's member matrix with every per-member array level 2 reads."""
     valid = members >= 0
     safe = np.where(valid, members, 0)
-    enc_cols = np.where(valid[..., None], x.enc[safe], 0.0)  # [R, n, E]
-    enc_w = np.where(valid, norm_columns(x.enc)[safe].sum(axis=2), 0.0)  # [R, n]
-    llm = np.where(valid, x.llm[safe], 0.0)
-    tok = np.where(valid, x.tokens[safe], 0)
-    has_enc = valid & (x.enc[safe].sum(axis=2) > 0)
-    cap, budget = x.max_tokens, x.defer_budget
-
-    # candidate A: encoder sets by LPT over encoder work alone, LLM sets by deferral
-    ebin = lpt_bins(enc_w, has_enc, m)
-    per_bin = members.shape[1] / m
-    refine_bins(ebin, enc_w, has_enc, m, iters=2 * m if per_bin <= 16 else max(4, m // 2))
-    eidx = (
-        order_mountain(ebin, has_enc, enc_w, llm, m)
-        if _MOUNTAIN
-        else order_by_llm(ebin, has_enc, llm, m)
+    e_count = x.enc.shape[1]
+    patches = (
+        np.zeros(members.shape + (e_count,), np.int64)
+        if x.patches is None
+        else np.where(valid[..., None], x.patches[safe], 0)
     )
-    lidx2, failed2 = llm_sets_lpt(eidx, has_enc, valid, llm, tok, m, cap, budget)
-    cands = [(eidx, lidx2, failed2)]
-    if x.n < _ALL_CANDIDATES_BELOW:
-        cands += _more_candidates(
-            eidx, has_enc, valid, enc_cols, llm, tok, m, cap, budget, tolerance
-        )
-    eidx, lidx = _pick(cands, x, members, valid, has_enc, enc_cols, enc_w, llm, tok, m)
-    if x.n < _SEARCH_BELOW:
-        args = (valid, has_enc, enc_cols, llm, tok, m, cap, budget, rng_for(seed, iteration, 2))
-        eidx, lidx = refine_by_pipeline(eidx, lidx, *args)
-    return _to_assignment("entrain", members, valid, eidx, lidx, r_count, m)
+    return Replicas(
+        members=members,
+        valid=valid,
+        has_enc=valid & (x.enc[safe].sum(axis=2) > 0),
+        enc_cols=np.where(valid[..., None], x.enc[safe], 0.0),
+        enc_w=np.where(valid, norm_columns(x.enc)[safe].sum(axis=2), 0.0),
+        llm=np.where(valid, x.llm[safe], 0.0),
+        tok=np.where(valid, x.tokens[safe], 0),
+        patches=patches,
+        m=x.microbatches,
+        cap=x.max_tokens,
+        budget=x.defer_budget,
+        patch_cap=x.patch_cap,
+    )
 
 
-def _more_candidates(eidx, has_enc, valid, enc_cols, llm, tok, m, cap, budget, tolerance):
-    """The costlier candidates, tried where the batch is small enough to afford them."""
-    lidx, failed = llm_sets_fill(eidx, has_enc, valid, llm, tok, m, cap, budget, tolerance)
-    cands = [(eidx, lidx, failed)]
+def assign_entrain(x: Inputs, seed: int, iteration: int, tolerance: float = 0.02) -> Assignment:
+    """Entrain's two-level assignment of ``x`` (see the module docstring): the same
+    candidates and the same search at every batch size."""
+    rng = rng_for(seed, iteration, 1)
+    w = norm_columns(np.concatenate([x.enc, x.llm[:, None]], axis=1))
+    rp = replicas_of(x, split_replicas(w, x.dp, rng))
+    cands = _candidates(rp, tolerance)
+    eidx, lidx = _pick(cands, rp)
+    eidx, lidx = refine_slowest(rp, eidx, lidx, rng_for(seed, iteration, 2))
+    return _to_assignment("entrain", rp.members, rp.valid, eidx, lidx, x.dp, rp.m)
+
+
+def _candidates(rp: Replicas, tolerance: float) -> list[Candidate]:
+    """Every level-2 candidate; :func:`_pick` chooses one per replica."""
+    m, has_enc, valid = rp.m, rp.has_enc, rp.valid
+    # candidate A: encoder sets by LPT over encoder work alone, LLM sets by deferral
+    ebin = lpt_bins(rp.enc_w, has_enc, m)
+    per_bin = rp.members.shape[1] / m
+    refine_bins(ebin, rp.enc_w, has_enc, m, iters=2 * m if per_bin <= 16 else max(4, m // 2))
+    eidx = (
+        order_mountain(ebin, has_enc, rp.enc_w, rp.llm, m)
+        if _MOUNTAIN
+        else order_by_llm(ebin, has_enc, rp.llm, m)
+    )
+    cands = [llm_sets_lpt(rp, eidx), llm_sets_fill(rp, eidx, tolerance)]
+    # the same encoder sets without deferral (L = E; text-only samples where the first
+    # candidate put them): the reference every deferring candidate competes with
+    joint = np.where(has_enc, eidx, cands[0].lidx)
+    no_slot = (valid & (joint < 0)).any(axis=1)
+    cands.append(Candidate(joint, joint, no_slot | ~fits_cap(rp, np.where(valid, joint, -1))))
     # the same encoder sets, LLM-heaviest first: the most room for deferral
-    ebin = np.where(has_enc, eidx, -1)
-    eidx_d = order_by_llm(ebin, has_enc, llm, m)
-    for builder in (llm_sets_fill, llm_sets_lpt):
-        args = (eidx_d, has_enc, valid, llm, tok, m, cap, budget)
-        lidx_d, failed_d = builder(*args, tolerance) if builder is llm_sets_fill else builder(*args)
-        cands.append((eidx_d, lidx_d, failed_d))
-
-    # candidate B: encoder sets balancing every encoder column, the LLM and tokens together
-    # (vector LPT); their LLM sets are the encoder sets themselves or a deferral of them
-    wv = np.concatenate([enc_cols, llm[..., None], tok[..., None].astype(np.float64)], axis=2)
-    vb = order_by_llm(vector_bins(wv, valid, m), valid, llm, m)
-    joint_ok = fits_cap(vb, valid, tok, m, cap)
-    cands.append((vb, vb, ~joint_ok))
-    # candidate C: joint sets balancing the LLM and tokens only (what the LLM peers aim at)
-    wl = np.stack([llm, tok.astype(np.float64)], axis=2)
-    lb = vector_bins(wl, valid, m)
-    cands.append((lb, lb, ~fits_cap(lb, valid, tok, m, cap)))
-    veidx = np.where(has_enc, vb, -1)
-    lidx3, failed3 = llm_sets_lpt(veidx, has_enc, valid, llm, tok, m, cap, budget)
-    cands.append((veidx, lidx3, failed3))
+    eidx_d = order_by_llm(np.where(has_enc, eidx, -1), has_enc, rp.llm, m)
+    cands.append(llm_sets_fill(rp, eidx_d, tolerance))
+    # candidate B: joint sets balancing every encoder column, the LLM and tokens together
+    # (vector LPT). Measured over the synthetic workloads at 512/4/32, 4096/16/16 and
+    # 8192/128/16, three more candidates (the release-constrained LPT on the LLM-heaviest
+    # order and on B's encoder sets, and joint sets balancing the LLM and tokens only) won
+    # 2 of 736 replica picks: they are not built.
+    tokf = rp.tok[..., None].astype(np.float64)
+    wv = np.concatenate([rp.enc_cols, rp.llm[..., None], tokf], axis=2)
+    vb = order_by_llm(vector_bins(wv, valid, m), valid, rp.llm, m)
+    cands.append(Candidate(vb, vb, ~fits_cap(rp, vb)))
     return cands
 
 
-def _pick(cands, x, members, valid, has_enc, enc_cols, enc_w, llm, tok, m):
+def _pick(cands: list[Candidate], rp: Replicas) -> tuple[np.ndarray, np.ndarray]:
     """Per replica one candidate ([R, n] E and L microbatch); replicas where none is usable
-    (all break the cap or budget, or leave an LLM set empty) get joint FFD sets.
+    (all break a cap or the budget, or leave an LLM set empty) get joint FFD sets.
 
     Balance first: a candidate must keep the encoder sets within ``_ENC_SLACK`` of the
     LPT sets and score within ``_TIME_PICK_SLACK`` of the best-balanced candidate. Among
     those the shortest proxy 1F1B iteration wins: equal scores can hide where the heavy
     microbatches sit, and that is what the pipeline pays for."""
-    r_count = x.dp
+    r_count, m, valid, has_enc = rp.llm.shape[0], rp.m, rp.valid, rp.has_enc
     enc_ref = None
     scored = []
-    for ce, cl, cf in cands:
-        e_eff = np.where(has_enc, ce, cl)
-        sc, ecv = _score(e_eff, cl, valid, enc_cols, llm, m)
+    for c in cands:
+        e_eff = np.where(has_enc, c.eidx, c.lidx)
+        failed = c.failed | ~fits_patches(rp, e_eff)
+        sc, ecv = _score(rp, e_eff, c.lidx)
         if enc_ref is None:  # the first candidate's encoder sets are LPT-tight: the reference
-            enc_ref = np.where(cf, np.inf, ecv)
+            enc_ref = np.where(failed, np.inf, ecv)
         # the encoders produce at a constant rate first: no candidate may give that up
-        sc = np.where(cf | (ecv > enc_ref * (1 + _ENC_SLACK) + 1e-3), np.inf, sc)
-        scored.append((e_eff, cl, np.where(_empty_llm_set(cl, valid, m), np.inf, sc)))
+        sc = np.where(failed | (ecv > enc_ref * (1 + _ENC_SLACK) + 1e-3), np.inf, sc)
+        scored.append((e_eff, c.lidx, np.where(_empty_llm_set(c.lidx, valid, m), np.inf, sc)))
     best_sc = np.min([sc for _, _, sc in scored], axis=0)
     best_key = np.full(r_count, np.inf)
-    eidx = np.zeros_like(cands[0][0])
+    eidx = np.zeros_like(cands[0].eidx)
     lidx = np.zeros_like(eidx)
+    stage = _per_stage(rp.enc_cols, rp.llm, valid)
     for e_eff, cl, sc in scored:
         ok = np.isfinite(sc) & (sc <= best_sc * (1 + _TIME_PICK_SLACK) + 1e-12)
         if not ok.any():
             continue
-        key = sc if len(scored) == 1 else proxy_times(e_eff, cl, valid, enc_cols, llm, m)
-        key = np.where(ok, key, np.inf)
+        key = np.where(ok, proxy_times(rp, e_eff, cl, stage), np.inf)
         better = key < best_key
         best_key = np.where(better, key, best_key)
         eidx = np.where(better[:, None], e_eff, eidx)
@@ -186,21 +187,23 @@ def _pick(cands, x, members, valid, has_enc, enc_cols, enc_w, llm, tok, m):
     for r in np.flatnonzero(~np.isfinite(best_key)):
         v = valid[r]
         joint = ffd_joint(
-            llm[r, v] + enc_w[r, v] * 1e-9, tok[r, v], m, x.max_tokens, f"replica {int(r)}"
+            rp.llm[r, v] + rp.enc_w[r, v] * 1e-9,
+            rp.tok[r, v],
+            m,
+            rp.cap,
+            f"replica {int(r)}",
+            rp.patches[r, v],
+            rp.patch_cap,
         )
         eidx[r, v] = joint
         lidx[r, v] = joint
-    return _edges_light(eidx, lidx, valid, enc_w, llm, m)
+    return _edges_light(eidx, lidx, valid, rp.enc_w, rp.llm, m)
 
 
 def _empty_llm_set(lidx, valid, m) -> np.ndarray:
     """[R] whether a replica with at least m samples leaves an LLM set empty."""
-    r_count = lidx.shape[0]
-    counts = np.zeros((r_count, m), np.int64)
-    rr = np.broadcast_to(np.arange(r_count)[:, None], lidx.shape)
-    ok = valid & (lidx >= 0)
-    np.add.at(counts, (rr[ok], lidx[ok]), 1)
-    return (counts == 0).any(axis=1) & (valid.sum(axis=1) >= m)
+    counts = slot_sums(lidx, np.ones(lidx.shape), valid & (lidx >= 0), m)
+    return (counts < 0.5).any(axis=1) & (valid.sum(axis=1) >= m)
 
 
 def _edges_light(eidx, lidx, valid, enc_w, llm, m):
@@ -215,13 +218,10 @@ def _edges_light(eidx, lidx, valid, enc_w, llm, m):
     joint = ((eidx == lidx) | ~valid).all(axis=1)
     if not joint.any() or m < 3:
         return eidx, lidx
-    rows = np.arange(r_count)[:, None]
     tot = enc_w / max(float(enc_w[valid].mean()), 1e-30) + llm / max(
         float(llm[valid].mean()), 1e-30
     )
-    load = np.zeros((r_count, m))
-    ok = valid & (lidx >= 0)
-    np.add.at(load, (np.broadcast_to(rows, lidx.shape)[ok], lidx[ok]), tot[ok])
+    load = slot_sums(lidx, tot, valid & (lidx >= 0), m)
     # positions from the centre outwards: the heaviest microbatch gets the centre
     centre = (m - 1) / 2
     pos_order = np.argsort(np.abs(np.arange(m) - centre), kind="stable")

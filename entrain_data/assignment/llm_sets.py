@@ -12,12 +12,16 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import InvalidInput
+from .common import Candidate, Replicas, slot_sums
 
-__all__ = ["llm_sets_fill", "llm_sets_lpt", "ffd_joint", "fits_cap"]
+__all__ = ["llm_sets_fill", "llm_sets_lpt", "ffd_joint", "fits_cap", "fits_patches"]
 
 
-def llm_sets_fill(eidx, has_enc, valid, llm, tok, m, cap, budget, tol):
-    """LLM microbatch of every member ([R, n]) and the replicas where deferral failed."""
+def llm_sets_fill(rp: Replicas, eidx: np.ndarray, tol: float) -> Candidate:
+    """LLM sets by a running target: microbatch j takes, from the samples encoded so far,
+    about ``remaining / (m - j)`` of the LLM work (largest first, under the token cap)."""
+    has_enc, valid, llm, tok = rp.has_enc, rp.valid, rp.llm, rp.tok
+    m, cap, budget = rp.m, rp.cap, rp.budget
     r_count, n = llm.shape
     rows = np.arange(r_count)
     lidx = np.full((r_count, n), -1, dtype=np.int64)
@@ -55,10 +59,10 @@ def llm_sets_fill(eidx, has_enc, valid, llm, tok, m, cap, budget, tol):
                     failed |= buffered > budget
         lidx[take] = j
         consumed |= take
-    return lidx, failed
+    return Candidate(eidx, lidx, failed)
 
 
-def llm_sets_lpt(eidx, has_enc, valid, llm, tok, m, cap, budget):
+def llm_sets_lpt(rp: Replicas, eidx: np.ndarray) -> Candidate:
     """LLM microbatch of every member ([R, n]) by release-constrained LPT.
 
     Largest LLM work first, each sample goes to the least LLM-loaded microbatch
@@ -67,6 +71,8 @@ def llm_sets_lpt(eidx, has_enc, valid, llm, tok, m, cap, budget):
     across. Text-only samples are released at 0 (they are encoded where
     consumed). Rows where some sample fits nowhere are reported failed.
     """
+    has_enc, valid, llm, tok = rp.has_enc, rp.valid, rp.llm, rp.tok
+    m, cap, budget = rp.m, rp.cap, rp.budget
     r_count, n = llm.shape
     rows = np.arange(r_count)
     big = np.iinfo(np.int64).max // 4
@@ -103,7 +109,7 @@ def llm_sets_lpt(eidx, has_enc, valid, llm, tok, m, cap, budget):
         wait = place & has_enc[rows, item]
         span = (jj >= rel) & (jj < j[:, None]) & wait[:, None]
         buffered += np.where(span, tk, 0)
-    return lidx, failed
+    return Candidate(eidx, lidx, failed)
 
 
 def _fill(avail, cost, tok, limit, cap, fills: int = 3):
@@ -138,33 +144,57 @@ def _fill(avail, cost, tok, limit, cap, fills: int = 3):
     return take, ntok
 
 
-def ffd_joint(cost: np.ndarray, tok: np.ndarray, m: int, cap: int | None, where: str) -> np.ndarray:
-    """Bins for one replica with E == L: least-loaded-that-fits, largest first, under ``cap``."""
+def ffd_joint(
+    cost: np.ndarray,
+    tok: np.ndarray,
+    m: int,
+    cap: int | None,
+    where: str,
+    patches: np.ndarray | None = None,
+    patch_cap: np.ndarray | None = None,
+) -> np.ndarray:
+    """Bins for one replica with E == L: least-loaded-that-fits, largest first, under the
+    token ``cap`` and (``patches`` [n, E]) the per-encoder ``patch_cap``."""
     n = len(cost)
     order = np.argsort(-cost, kind="stable")
     loads = np.zeros(m)
     toks = np.zeros(m, dtype=np.int64)
+    pcap = patch_cap if patches is not None else None
+    pl = np.zeros((m, 0 if pcap is None else len(pcap)), dtype=np.int64)
     out = np.empty(n, dtype=np.int64)
     for i in order:
         fits = np.ones(m, bool) if cap is None else toks + tok[i] <= cap
+        if pcap is not None:
+            fits &= (pl + patches[i] <= pcap).all(axis=1)
         if not fits.any():
+            what = f"max_tokens={cap}" if cap is not None else ""
+            if pcap is not None:
+                what += f"{' and ' if what else ''}max_encoder_patches={pcap.tolist()}"
             raise InvalidInput(
-                f"{where}: cannot pack {int(tok.sum())} tokens into {m} microbatches of "
-                f"max_tokens={cap} (sample {int(i)} does not fit); raise max_tokens or microbatches"
+                f"{where}: cannot pack {n} samples into {m} microbatches under {what} "
+                f"(sample {int(i)} does not fit); raise the cap or microbatches"
             )
         j = int(np.argmin(np.where(fits, loads, np.inf)))
         out[i] = j
         loads[j] += cost[i]
         toks[j] += tok[i]
+        if pcap is not None:
+            pl[j] += patches[i]
     return out
 
 
-def fits_cap(bins, valid, tok, m, cap):
-    """[R] whether every bin of joint sets ``bins`` stays within the token cap."""
-    r_count = tok.shape[0]
-    if cap is None:
-        return np.ones(r_count, bool)
-    t_load = np.zeros((r_count, m), dtype=np.int64)
-    rr = np.broadcast_to(np.arange(r_count)[:, None], tok.shape)
-    np.add.at(t_load, (rr[valid], bins[valid]), tok[valid])
-    return (t_load <= cap).all(axis=1)
+def fits_cap(rp: Replicas, bins: np.ndarray) -> np.ndarray:
+    """[R] whether joint sets ``bins`` (E == L) keep every set within the token cap and the
+    patch cap."""
+    ok = np.ones(rp.llm.shape[0], bool)
+    if rp.cap is not None:
+        ok &= (slot_sums(bins, rp.tok.astype(np.float64), rp.valid, rp.m) <= rp.cap).all(axis=1)
+    return ok & fits_patches(rp, bins)
+
+
+def fits_patches(rp: Replicas, eidx: np.ndarray) -> np.ndarray:
+    """[R] whether every encoder set ``eidx`` stays within the per-encoder patch cap."""
+    if rp.patch_cap is None:
+        return np.ones(rp.llm.shape[0], bool)
+    got = slot_sums(eidx, rp.patches.astype(np.float64), rp.valid & rp.has_enc, rp.m)
+    return (got <= rp.patch_cap[None, None, :] + 0.5).all(axis=(1, 2))

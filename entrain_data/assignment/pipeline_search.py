@@ -37,13 +37,17 @@ from __future__ import annotations
 import numpy as np
 
 from ..simulator import simulate_pipeline
+from .common import Replicas, slot_sums
 
-__all__ = ["proxy_stage_shares", "proxy_times", "refine_by_pipeline"]
+__all__ = ["proxy_stage_shares", "proxy_times", "refine_by_pipeline", "refine_slowest"]
 
 _PROXY_STAGES = 4
 _FWD_SHARE = 1.0 / 3.0  # forward share of a trainable module's forward + backward cost
 _CANDIDATES = 32  # moves tried per replica and round
 _ROUNDS = 64
+_FOCUS = 32  # replicas searched per pass when there are more (the slowest ones)
+_PASS_ROUNDS = 16  # rounds per pass over the slowest replicas
+_PATIENCE = 8  # rounds without any accepted move after which the search stops
 _CANDIDATE_BUDGET = 128  # replicas x candidates simulated per round, at most
 _CV_SLACK = 0.04  # an encoder column's per-microbatch CV may grow by this share in the search
 _LLM_CV_SLACK = 0.10  # the LLM's (the L sets')
@@ -99,11 +103,7 @@ def _per_stage(enc_cols, llm, valid):
 
 def _loads(idx, per_sample, valid, m):
     """[R, M, S] sums of per-sample [R, n, S] over the members of each microbatch."""
-    r_count, n, s = per_sample.shape
-    out = np.zeros((r_count, m, s))
-    rr = np.broadcast_to(np.arange(r_count)[:, None], idx.shape)
-    np.add.at(out, (rr[valid], idx[valid]), per_sample[valid])
-    return out
+    return slot_sums(idx, per_sample, valid, m)
 
 
 def _span(first, end, jj):
@@ -120,9 +120,12 @@ def _replica_times(fwd, bwd):
     return res.replica_times.reshape(shape)
 
 
-def proxy_times(eidx, lidx, valid, enc_cols, llm, m) -> np.ndarray:
-    """[R] proxy 1F1B iteration time of every replica for the sets (eidx, lidx)."""
-    ef, lf, lb = _per_stage(enc_cols, llm, valid)
+def proxy_times(rp: Replicas, eidx: np.ndarray, lidx: np.ndarray, stage=None) -> np.ndarray:
+    """[R] proxy 1F1B iteration time of every replica for the sets (eidx, lidx).
+
+    ``stage``: the (ef, lf, lb) of :func:`_per_stage`, when the caller already has them."""
+    valid, m = rp.valid, rp.m
+    ef, lf, lb = stage if stage is not None else _per_stage(rp.enc_cols, rp.llm, valid)
     fwd = _loads(eidx, ef, valid, m) + _loads(lidx, lf, valid, m)
     return _replica_times(fwd, _loads(lidx, lb, valid, m))
 
@@ -135,19 +138,32 @@ def _apply(eidx, lidx, g, bk, a, b, moved_b, na_e, na_l, nb_e, nb_l) -> None:
     eidx[g[mb], bi[mb]], lidx[g[mb], bi[mb]] = nb_e[g, bk][mb], nb_l[g, bk][mb]
 
 
+def refine_slowest(
+    rp: Replicas, eidx: np.ndarray, lidx: np.ndarray, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """The search where it pays: the iteration lasts as long as its slowest replica, so
+    with many replicas every pass searches only the ``_FOCUS`` slowest (by proxy time,
+    re-ranked after each pass) with more candidates each. The work is then bounded by
+    ``_FOCUS`` x candidates x ``_ROUNDS`` at any dp: one algorithm for every size."""
+    r_count = rp.llm.shape[0]
+    if r_count <= _FOCUS:
+        return refine_by_pipeline(rp, eidx, lidx, rng)
+    eidx, lidx = eidx.copy(), lidx.copy()
+    stage = _per_stage(rp.enc_cols, rp.llm, rp.valid)
+    for _ in range(_ROUNDS // _PASS_ROUNDS):
+        cur = proxy_times(rp, eidx, lidx, stage)
+        act = np.sort(np.argsort(-cur, kind="stable")[:_FOCUS])
+        e_a, l_a = refine_by_pipeline(rp.take(act), eidx[act], lidx[act], rng, _PASS_ROUNDS)
+        eidx[act], lidx[act] = e_a, l_a
+    return eidx, lidx
+
+
 def refine_by_pipeline(
+    rp: Replicas,
     eidx: np.ndarray,
     lidx: np.ndarray,
-    valid: np.ndarray,
-    has_enc: np.ndarray,
-    enc_cols: np.ndarray,
-    llm: np.ndarray,
-    tok: np.ndarray,
-    m: int,
-    cap: int | None,
-    budget: int | None,
     rng: np.random.Generator,
-    rounds: int = _ROUNDS,
+    rounds: int | None = None,
     candidates: int = _CANDIDATES,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Improved ([R, n] E microbatch, [R, n] L microbatch) under every invariant.
@@ -155,9 +171,12 @@ def refine_by_pipeline(
     The objective is the proxy pipeline's iteration time per replica, under the
     limit on every module's per-microbatch CV. Inputs must already
     satisfy the invariants (L >= E, E == L for samples without encoder work, the
-    cap and the budget); so do the outputs.
+    token cap, the patch cap and the budget); so do the outputs.
     """
+    valid, has_enc, enc_cols, llm, tok = rp.valid, rp.has_enc, rp.enc_cols, rp.llm, rp.tok
+    m, cap, budget = rp.m, rp.cap, rp.budget
     r_count, n = llm.shape
+    rounds = _ROUNDS if rounds is None else rounds
     if m < 2 or n == 0 or rounds <= 0:
         return eidx, lidx
     eidx, lidx = eidx.copy(), lidx.copy()
@@ -170,11 +189,12 @@ def refine_by_pipeline(
     bud_v = big if budget is None else budget
     rows = np.arange(r_count)
     jj = np.arange(m)
-    rr = np.broadcast_to(np.arange(r_count)[:, None], (r_count, n))
-    t_load = np.zeros((r_count, m), dtype=np.int64)
-    np.add.at(t_load, (rr[valid], lidx[valid]), tok[valid])
-    l_count = np.zeros((r_count, m), dtype=np.int64)  # members of every L set
-    np.add.at(l_count, (rr[valid], lidx[valid]), 1)
+
+    t_load = np.rint(slot_sums(lidx, tok.astype(np.float64), valid, m)).astype(np.int64)
+    l_count = np.rint(slot_sums(lidx, np.ones((r_count, n)), valid, m)).astype(np.int64)
+    pcap = rp.patch_cap
+    p_samp = np.where((valid & has_enc)[..., None], rp.patches, 0)  # [R, n, E]
+    p_load = np.rint(slot_sums(eidx, p_samp.astype(np.float64), valid, m)).astype(np.int64)
     wait_tok = np.where(valid & has_enc, tok, 0)
     waiting = np.zeros((r_count, m), dtype=np.int64)  # tokens buffered after boundary j
     for j in range(m):
@@ -200,7 +220,11 @@ def refine_by_pipeline(
     slack[-1] = _LLM_CV_SLACK
     cv_lim = cv0 * (1 + slack) + _CV_FLOOR
     ss_lim = m * mean**2 * (1 + cv_lim**2) * (1 + 1e-12)
+    idle = 0
     for _ in range(rounds):
+        if idle >= _PATIENCE:  # no replica found a better move for this many rounds
+            break
+        idle += 1
         # two samples per candidate (the second only moves in a swap)
         a = (rng.random((r_count, k_count)) * n_valid[:, None]).astype(np.int64)
         b = (rng.random((r_count, k_count)) * n_valid[:, None]).astype(np.int64)
@@ -235,7 +259,7 @@ def refine_by_pipeline(
             (lb_, -1, tb, moved_b),
             (nb_l, 1, tb, moved_b),
         ):
-            np.add.at(t_new, (rk3, kk, idx_l.ravel()), (sign * w * on).ravel())
+            t_new[rk3, kk, idx_l.ravel()] += (sign * w * on).ravel()  # one slot per (r, k)
         ok = changed & (t_new <= cap_v).all(axis=2)
         # no L set may become empty: a microbatch without LLM work has nothing to train
         c_new = np.broadcast_to(l_count[:, None, :], (r_count, k_count, m)).copy()
@@ -245,8 +269,20 @@ def refine_by_pipeline(
             (lb_, -1, moved_b),
             (nb_l, 1, moved_b),
         ):
-            np.add.at(c_new, (rk3, kk, idx_l.ravel()), (sign * on).ravel().astype(np.int64))
+            c_new[rk3, kk, idx_l.ravel()] += (sign * on).ravel().astype(np.int64)
         ok &= (c_new >= np.minimum(l_count, 1)[:, None, :]).all(axis=2)
+        # patch cap on the E sets
+        if pcap is not None:
+            p_new = np.broadcast_to(p_load[:, None], (r_count, k_count) + p_load.shape[1:]).copy()
+            for idx_e, s_idx, sign, on in (
+                (ea, a, -1, ok),
+                (na_e, a, 1, ok),
+                (eb_, b, -1, ok & moved_b),
+                (nb_e, b, 1, ok & moved_b),
+            ):
+                pv = p_samp[rk, s_idx] * (sign * on)[..., None]
+                p_new[rk3, kk, idx_e.ravel()] += pv.reshape(-1, pv.shape[-1])
+            ok &= (p_new <= pcap).all(axis=(2, 3))
         # deferral budget on the buffer after every boundary
         if budget is not None:
             wa, wb = wait_tok[rk, a], wait_tok[rk, b]
@@ -269,7 +305,7 @@ def refine_by_pipeline(
             l_c = np.concatenate([np.zeros_like(mod_e[rk, s_idx]), llm[rk, s_idx][..., None]], 2)
             l_c = l_c * w
             for idx_, val in ((old_e, -e_c), (new_e, e_c), (old_l, -l_c), (new_l2, l_c)):
-                np.add.at(cm, (rk3, kk, idx_.ravel()), val.reshape(-1, val.shape[-1]))
+                cm[rk3, kk, idx_.ravel()] += val.reshape(-1, val.shape[-1])
         ss = (cm * cm).sum(axis=2)  # [R, K, modules]
         ok &= (ss <= ss_lim[:, None, :]).all(axis=2)
         if not ok.any():
@@ -291,12 +327,13 @@ def refine_by_pipeline(
                 (old_l, -b_c, cb),
                 (new_l2, b_c, cb),
             ):
-                np.add.at(arr, (rk3, kk, idx_.ravel()), val.reshape(-1, val.shape[-1]))
+                arr[rk3, kk, idx_.ravel()] += val.reshape(-1, val.shape[-1])
         t = np.where(ok, _replica_times(cf, cb), np.inf)
         best = np.argmin(t, axis=1)
         gain = t[rows, best] < cur * (1 - 1e-9)
         if not gain.any():
             continue
+        idle = 0
         g = rows[gain]
         bk = best[gain]
         _apply(eidx, lidx, g, bk, a, b, moved_b, na_e, na_l, nb_e, nb_l)
@@ -304,6 +341,8 @@ def refine_by_pipeline(
         mod[g] = cm[g, bk]
         t_load[g] = t_new[g, bk]
         l_count[g] = c_new[g, bk]
+        if pcap is not None:
+            p_load[g] = p_new[g, bk]
         if budget is not None:
             waiting[g] = w_new[g, bk]
         cur[g] = t[g, bk]

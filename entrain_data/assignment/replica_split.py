@@ -13,7 +13,9 @@ __all__ = ["split_replicas", "norm_columns"]
 
 _SWAP_CANDIDATES = 64  # members considered per replica in one swap step
 _GOOD_ENOUGH = 2e-3  # relative deviation of a replica's module sum below which swaps stop
-_GREEDY_ROUNDS = 64  # level-1 rounds placed greedily; the rest, small items, in serpentine
+_GREEDY_ROUNDS = 64
+_PAIR_ROUNDS = 24  # rounds of all-pairs swaps
+_PAIR_CANDIDATES = 16  # members per replica compared in one all-pairs round  # level-1 rounds placed greedily; the rest, small items, in serpentine
 
 
 def norm_columns(w: np.ndarray) -> np.ndarray:
@@ -55,8 +57,56 @@ def split_replicas(
         tail[1::2] = tail[1::2, ::-1]
         members[lightest, greedy:] = tail.T
         loads[lightest] += wp[tail].sum(axis=0)
-    _refine_replicas(members, loads, wp, swap_iters if swap_iters is not None else min(2 * dp, 16))
+    iters = swap_iters if swap_iters is not None else _PAIR_ROUNDS
+    _refine_pairs(members, loads, wp, iters)
+    if swap_iters is None:
+        _refine_replicas(members, loads, wp, min(2 * dp, 16))
     return members
+
+
+def _refine_pairs(members: np.ndarray, loads: np.ndarray, wp: np.ndarray, iters: int) -> None:
+    """Pairwise swaps between all replicas at once: every round pairs the replicas most
+    over a module with those most under it (the module cycles, then the worst one) and
+    makes, in every pair, the member swap that most lowers the pair's worst relative
+    deviation. One round costs O(dp * C^2 * D) array work, not dp rounds of Python."""
+    dp, n = members.shape
+    d = loads.shape[1]
+    if dp < 2 or iters <= 0:
+        return
+    mean = loads.mean(axis=0)
+    scale = np.where(mean > 0, mean, 1.0)
+    c = min(n, _PAIR_CANDIDATES)
+    base = np.linspace(0, n - 1, c).astype(np.int64)
+    half = dp // 2
+    for it in range(iters):
+        rel = (loads - mean) / scale  # [dp, D]
+        obj = np.abs(rel).max(axis=1)
+        if obj.max() < _GOOD_ENOUGH:
+            break
+        key = rel[:, it % d] if it % (d + 1) < d else rel.sum(axis=1)
+        order = np.argsort(-key, kind="stable")
+        a, b = order[:half], order[::-1][:half]  # most over with most under
+        cols = (base + it * 5) % n if c < n else base  # other members every round
+        ia, ib = members[a][:, cols], members[b][:, cols]  # [P, C]
+        wa, wb = wp[ia] / scale, wp[ib] / scale  # [P, C, D] on the relative scale
+        new_obj = np.zeros((half, c, c))
+        for k in range(d):  # one module at a time: reductions over a tiny last axis are slow
+            dk = wa[:, :, None, k] - wb[:, None, :, k]  # [P, C, C]
+            np.maximum(new_obj, np.abs(rel[a, k][:, None, None] - dk), out=new_obj)
+            np.maximum(new_obj, np.abs(rel[b, k][:, None, None] + dk), out=new_obj)
+        new_obj[(ia >= 0)[:, :, None] != (ib >= 0)[:, None, :]] = np.inf  # a sample for a pad
+        flat = new_obj.reshape(half, -1)
+        best = np.argmin(flat, axis=1)
+        gain = flat[np.arange(half), best] < np.maximum(obj[a], obj[b]) - 1e-12
+        if not gain.any():
+            continue
+        x, y = np.divmod(best[gain], c)
+        ra, rb = a[gain], b[gain]
+        ca, cb = cols[x], cols[y]
+        dl = wp[members[ra, ca]] - wp[members[rb, cb]]
+        loads[ra] -= dl
+        loads[rb] += dl
+        members[ra, ca], members[rb, cb] = members[rb, cb], members[ra, ca]
 
 
 def _refine_replicas(members: np.ndarray, loads: np.ndarray, wp: np.ndarray, iters: int) -> None:
