@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 from .cli_models import add_model_arguments, calibration_from_args, model_spec_from_args
@@ -20,7 +21,8 @@ def format_plan(plan: ParallelPlan) -> str:
         f"({plan.world_size} GPUs, {plan.gpus_per_node} per node)",
         f"microbatches {plan.microbatches} per replica per iteration "
         f"(global batch {plan.global_batch}, ~{plan.global_batch / (plan.dp * plan.microbatches):.1f} samples each)",
-        f"token cap    {plan.max_tokens} LLM tokens per microbatch; deferral budget {plan.defer_budget} tokens",
+        f"token cap    {plan.max_tokens} LLM tokens per microbatch; deferral budget {plan.defer_budget} tokens"
+        + (f"; samples may wait up to {plan.max_delay} iteration(s)" if plan.max_delay else ""),
         f"schedule     {plan.schedule}"
         + (", full activation recomputation (needed to fit memory)" if plan.recompute else ""),
         "stages:",
@@ -64,6 +66,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         calibration=cal.to_dict() if cal is not None else None,
         max_tokens=args.max_tokens,
     )
+    if args.max_delay:
+        plan = replace(plan, max_delay=args.max_delay)
     print(format_plan(plan))
     out = plan.save(Path(args.output))
     print(f"plan: {out}")
@@ -83,6 +87,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=int, help="pin the tensor-parallel degree")
     p.add_argument("--pp", type=int, help="pin the pipeline degree")
     p.add_argument("--microbatches", type=int, help="pin the microbatches per iteration")
+    p.add_argument(
+        "--max-delay",
+        type=int,
+        default=0,
+        metavar="K",
+        help="opt-in bounded delay: a sample heavier than a mean microbatch may wait up to K "
+        "iterations (within its epoch) so the heavy ones land together (default: 0, every sample "
+        "trains in its own iteration, Entrain's contract)",
+    )
     p.add_argument(
         "--max-tokens",
         type=int,

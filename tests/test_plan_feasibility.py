@@ -115,3 +115,19 @@ def test_default_plan_serves_every_batch_of_a_real_caption_table():
     for gpus, batch in ((4, 32), (2, 16)):
         plan = make_plan(table, SPEC, Cluster(gpus, 8, 80.0), batch)
         assert _serve_every_batch(table, plan, seed=0, epochs=2) > 100
+
+
+def test_cli_plan_max_delay(tmp_path):
+    from entrain_data.plan import ParallelPlan
+
+    table = synthesize("text-heavy", 120, seed=2)
+    index = write_index(table, tmp_path / "index.parquet")
+    out = tmp_path / "plan.json"
+    base = [sys.executable, "-m", "entrain_data.cli", "plan", str(index), "--encoder",
+            "qwen2.5-vl-vision", "--llm", "llama-3.2-1b", "--gpus", "2", "--global-batch", "16",
+            "-o", str(out)]  # fmt: skip
+    ok = subprocess.run([*base, "--max-delay", "2"], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert ParallelPlan.load(out).max_delay == 2 and "wait up to 2 iteration" in ok.stdout
+    bad = subprocess.run([*base, "--max-delay", "-1"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "max_delay" in bad.stderr and "Traceback" not in bad.stderr

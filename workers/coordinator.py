@@ -90,6 +90,7 @@ class Coordinator:
             method=self.plan.method,
             seed=cfg.seed,
             assign_fn=cfg.assign_fn,
+            max_delay=self.plan.max_delay,
         )
         self.shape = self.scheduler.shape
         self.end_pos = cfg.epochs * self.shape.per_epoch

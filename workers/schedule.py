@@ -123,6 +123,7 @@ class Scheduler:
         seed: int,
         cache: int = 8,
         assign_fn: Callable[..., Any] | None = None,
+        max_delay: int = 0,
     ) -> None:
         self.encoder_cost = np.asarray(encoder_cost)
         self.llm_cost = np.asarray(llm_cost)
@@ -131,6 +132,7 @@ class Scheduler:
         self.global_batch = int(global_batch)
         self.max_tokens, self.defer_budget = max_tokens, defer_budget
         self.method, self.seed = method, int(seed)
+        self.max_delay = int(max_delay)
         self.assign_fn = assign_fn or assign
         n = len(self.llm_cost)
         min_batch = self.dp * self.microbatches
@@ -145,6 +147,9 @@ class Scheduler:
         self._slots: dict[tuple[int, int], list[list[Slot]]] = {}
         self._cache = cache
         self.latencies: list[float] = []
+        # max_delay > 0: per epoch, the samples waiting after the last assigned iteration
+        self._carry: dict[int, _Carry] = {}
+        self._last_carried = np.zeros(0, dtype=np.int64)
 
     def left_out(self, epoch: int) -> np.ndarray:
         """Rows of ``epoch`` that no global batch holds (see :func:`epoch_left_out`)."""
@@ -168,40 +173,82 @@ class Scheduler:
         """[replica][microbatch] -> :class:`Slot` for one iteration (assigned on first use)."""
         key = (epoch, iteration)
         if key not in self._slots:
-            rows = self.batches(epoch)[iteration]
-            t0 = time.perf_counter()
-            a = self.assign_fn(
-                self.encoder_cost[rows],
-                self.llm_cost[rows],
-                self.tokens[rows],
-                dp=self.dp,
-                microbatches=self.microbatches,
-                max_tokens=self.max_tokens,
-                defer_budget=self.defer_budget,
-                method=self.method,
-                seed=self.seed,
-                iteration=epoch * self.shape.iterations + iteration,
-            )
-            self.latencies.append(time.perf_counter() - t0)
-            if len(a.carried):
-                raise InvalidInput(
-                    f"assignment method {self.method!r} carries samples across iterations; "
-                    "the loader serves only methods that keep every sample in its iteration"
-                )
-            self._slots[key] = [
-                [
-                    Slot(rows[a.encoder_sets[r][j]], rows[a.llm_sets[r][j]])
-                    for j in range(a.microbatches)
-                ]
-                for r in range(a.dp)
-            ]
+            if self.max_delay > 0:
+                self._assign_delayed(epoch, iteration)
+            else:
+                rows = self.batches(epoch)[iteration]
+                self._slots[key] = self._assign(rows, None, epoch, iteration)
             while len(self._slots) > self._cache:
                 self._slots.pop(next(iter(self._slots)))
         return self._slots[key]
 
-    def slot(self, replica: int, position: int) -> Slot:
-        epoch, it, mb = self.shape.locate(position)
-        return self.slots(epoch, it)[replica][mb]
+    def _assign(
+        self, rows: np.ndarray, ages: np.ndarray | None, epoch: int, iteration: int
+    ) -> list[list[Slot]]:
+        """Assign one global batch (``rows``); with ``ages``, returns its carried rows too."""
+        t0 = time.perf_counter()
+        delay = {}
+        if ages is not None:
+            delay = dict(
+                max_delay=self.max_delay,
+                ages=ages,
+                flush=iteration == self.shape.iterations - 1,  # nothing leaves its epoch
+            )
+        a = self.assign_fn(
+            self.encoder_cost[rows],
+            self.llm_cost[rows],
+            self.tokens[rows],
+            dp=self.dp,
+            microbatches=self.microbatches,
+            max_tokens=self.max_tokens,
+            defer_budget=self.defer_budget,
+            method=self.method,
+            seed=self.seed,
+            iteration=epoch * self.shape.iterations + iteration,
+            **delay,
+        )
+        self.latencies.append(time.perf_counter() - t0)
+        if len(a.carried) and ages is None:
+            raise InvalidInput(
+                f"assignment method {self.method!r} carries samples across iterations; "
+                "the loader serves only methods that keep every sample in its iteration "
+                "(entrain's opt-in bounded delay is plan.max_delay)"
+            )
+        self._last_carried = np.asarray(a.carried, dtype=np.int64)
+        return [
+            [
+                Slot(rows[a.encoder_sets[r][j]], rows[a.llm_sets[r][j]])
+                for j in range(a.microbatches)
+            ]
+            for r in range(a.dp)
+        ]
+
+    def _assign_delayed(self, epoch: int, iteration: int) -> None:
+        """Bounded delay (``plan.max_delay``): iteration i's batch is its own rows plus the
+        samples iteration i-1 carried, so iterations are assigned in order from the epoch's start
+        (again from the start if a lagging rank asks for one already dropped from the cache).
+        The stream stays a pure function of the seed, so resume stays exact."""
+        carry = self._carry.get(epoch)
+        if carry is None or carry.next > iteration:
+            carry = _Carry(0, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+        batches = self.batches(epoch)
+        while carry.next <= iteration:
+            i = carry.next
+            rows = np.concatenate([carry.rows, batches[i]])
+            ages = np.concatenate([carry.ages, np.zeros(len(batches[i]), dtype=np.int64)])
+            self._slots[(epoch, i)] = self._assign(rows, ages, epoch, i)
+            kept = self._last_carried
+            carry = _Carry(i + 1, rows[kept], ages[kept] + 1)
+        self._carry = {epoch: carry}
+
+
+@dataclass(frozen=True)
+class _Carry:
+    """Samples waiting after iteration ``next - 1`` of an epoch, with the iterations waited."""
+
+    next: int
+    rows: np.ndarray
+    ages: np.ndarray
 
 
 def digest(parts: list[Any]) -> str:
