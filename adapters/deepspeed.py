@@ -57,7 +57,13 @@ from torch import nn
 
 from ..batch import Microbatch
 from ..errors import InvalidInput, PlanError
-from .common import EncoderOutputBuffer, global_loss_count, loss_scale, loss_sums
+from .common import (
+    EncoderOutputBuffer,
+    global_loss_count,
+    loss_scale,
+    loss_sums,
+    resolve_encoder_calls,
+)
 from .reference_model import ReferenceMLLM, packed_causal_mask
 
 __all__ = [
@@ -222,10 +228,14 @@ def train_step(
     *,
     mode: str = "token",
     buffer: EncoderOutputBuffer | None = None,
+    uniform_encoder_calls: bool | None = None,
 ) -> float:
     """One iteration on a plain DeepSpeed engine (ZeRO 0-3); returns the global-batch mean loss.
 
     ``forward(engine, mb, buffer)`` defaults to ``engine(mb, buffer, mode=mode)``.
+    ``uniform_encoder_calls`` (None: under ZeRO-3, which all-gathers a module's
+    parameters at every call): every rank calls each encoder the group-wide
+    number of times per microbatch (:mod:`entrain_data.encoder_calls`).
 
     ZeRO 1-3: all microbatches inside ``engine.coalesce_grad_reduction()``, then
     one ``step()``, so gradients are reduced once, in parameter order, whatever
@@ -247,16 +257,23 @@ def train_step(
             "hook order, which balanced microbatches make differ between ranks"
         )
     if coalesce and not hasattr(engine.optimizer, "_coalesce_grad_reduction"):
-        # runtime/engine.py:3262: BF16_Optimizer / FP16_Optimizer wrappers (e.g. bf16 with
-        # ZeRO-1 and an fp32 grad_accum_dtype) bypass the hooks the coalesced flush needs
+        # runtime/engine.py:3262: BF16_Optimizer / FP16_Optimizer wrappers (DeepSpeed picks
+        # BF16_Optimizer for bf16 with ZeRO-1 and an fp32 grad_accum_dtype, engine.py:2305)
+        # bypass the hooks the coalesced flush needs
         raise InvalidInput(
             "deepspeed train_step: the engine's optimizer wrapper "
-            f"{type(engine.optimizer).__name__} cannot coalesce the ZeRO gradient reduction; "
-            "use ZeRO stage 2, or a config whose optimizer is DeepSpeedZeroOptimizer"
+            f"{type(engine.optimizer).__name__} cannot coalesce the ZeRO gradient reduction "
+            "(bf16 with ZeRO-1 and data_types.grad_accum_dtype=fp32 gives BF16_Optimizer); "
+            "use ZeRO stage 2 or 3 (fp32 accumulation of the partition), or ZeRO-1 with "
+            'grad_accum_dtype "bf16"'
         )
     buffer = buffer if buffer is not None else EncoderOutputBuffer()
     buffer.expect(microbatches)  # deferred samples bound for one microbatch share an encoder call
     group = _dp_group(engine)
+    if uniform_encoder_calls is None:
+        uniform_encoder_calls = engine.zero_optimization_stage() == 3
+    if uniform_encoder_calls:
+        microbatches = resolve_encoder_calls(microbatches, group=group, device=engine.device)
     dp = engine.dp_world_size
     count = global_loss_count(microbatches, mode, group, engine.device)
     scale = loss_scale(count, dp=dp, accumulation=gas)

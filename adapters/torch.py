@@ -53,6 +53,7 @@ from .common import (
     loss_scale,
     loss_sums,
     require_world,
+    resolve_encoder_calls,
 )
 from .reference_model import ReferenceMLLM, Segments
 
@@ -60,6 +61,7 @@ __all__ = [
     "device_mesh_from_plan",
     "StepResult",
     "accumulate_gradients",
+    "fsdp_per_module",
     "ForwardFn",
     "StageLayers",
     "stage_layers_from_plan",
@@ -108,6 +110,13 @@ def _sync_context(model: nn.Module, sync: bool) -> contextlib.AbstractContextMan
     return contextlib.nullcontext()
 
 
+def fsdp_per_module(model: nn.Module) -> bool:
+    """True when FSDP2 ``fully_shard`` wraps a submodule of ``model`` (not only the root)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules() if m is not model)
+
+
 def accumulate_gradients(
     model: nn.Module,
     microbatches: Sequence[Microbatch],
@@ -117,16 +126,24 @@ def accumulate_gradients(
     dp_group: dist.ProcessGroup | None = None,
     buffer: EncoderOutputBuffer | None = None,
     device: torch.device | str = "cpu",
+    uniform_encoder_calls: bool | None = None,
 ) -> StepResult:
     """Forward and backward every microbatch of one iteration; gradients end DP-synchronised.
 
     ``microbatches``: this rank's microbatches of one iteration, in order
     (deferred samples are encoded before they are consumed). ``dp_group``: the
     data-parallel group the wrapper averages over (None: the default group).
-    The optimizer step is the caller's.
+    ``uniform_encoder_calls``: make every rank call each encoder the same
+    group-wide number of times per microbatch (:mod:`entrain_data.encoder_calls`);
+    None: when FSDP2 shards a submodule on its own (per-block wrapping), which
+    all-gathers at every call. The optimizer step is the caller's.
     """
     if not microbatches:
         raise InvalidInput("accumulate_gradients: no microbatches given for this iteration")
+    if uniform_encoder_calls is None:
+        uniform_encoder_calls = fsdp_per_module(model)
+    if uniform_encoder_calls:
+        microbatches = resolve_encoder_calls(microbatches, group=dp_group, device=device)
     if forward is None:
 
         def forward(model: nn.Module, mb: Microbatch, buffer: EncoderOutputBuffer) -> Any:

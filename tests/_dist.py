@@ -43,6 +43,7 @@ __all__ = [
     "count_deferred",
     "make_model",
     "reference_params",
+    "reference_params_bf16",
     "assert_params_close",
 ]
 
@@ -173,16 +174,30 @@ def count_deferred(mbs: list[Microbatch]) -> int:
     return sum(len(mb.deferred_out) for mb in mbs)
 
 
-def make_model(seed: int = 0, **kw: Any) -> ReferenceMLLM:
+def make_model(seed: int = 0, bf16_init: bool = False, **kw: Any) -> ReferenceMLLM:
+    """The reference model, seeded; ``bf16_init``: fp32 weights rounded to bf16 values."""
     torch.manual_seed(seed)
     from entrain_data.adapters.reference_model import ReferenceConfig
 
-    return ReferenceMLLM(ReferenceConfig(**kw))
+    model = ReferenceMLLM(ReferenceConfig(**kw))
+    if bf16_init:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(torch.bfloat16).float())
+    return model
 
 
 @functools.lru_cache(maxsize=8)
-def _reference(steps: int, mode: str, seed: int) -> dict[str, torch.Tensor]:
-    return _train_reference(global_batches(steps), mode, seed)
+def _reference(steps: int, mode: str, seed: int, bf16: bool = False) -> dict[str, torch.Tensor]:
+    return _train_reference(global_batches(steps), mode, seed, bf16)
+
+
+def reference_params_bf16(steps: int, mode: str = "token") -> dict[str, torch.Tensor]:
+    """The scenario's unbalanced run in bf16 mixed precision, as the frameworks run it:
+    fp32 master weights, forward and backward on a bf16 copy, gradients to fp32, fp32 SGD.
+    The master starts from ``make_model(bf16_init=True)``: DeepSpeed casts the model to bf16
+    before it copies the fp32 master, so its master starts bf16-rounded."""
+    return _reference(steps, mode, 0, True)
 
 
 def reference_params(
@@ -210,16 +225,22 @@ def _fingerprint(batches: list[list[SyntheticSample]]) -> tuple:
 
 
 def _train_reference(
-    batches: list[list[SyntheticSample]], mode: str, seed: int
+    batches: list[list[SyntheticSample]], mode: str, seed: int, bf16: bool = False
 ) -> dict[str, torch.Tensor]:
-    model = make_model(seed)
+    model = make_model(seed, bf16_init=bf16)
+    compute = make_model(seed).to(torch.bfloat16) if bf16 else model
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for it, batch in enumerate(batches):
         samples = {s.key: s for s in batch}
         keys = list(samples)
         mb = pack_microbatch(samples, keys, keys, iteration=it)
-        loss_sum, count = model(mb, mode=mode)
+        if bf16:
+            compute.load_state_dict(model.state_dict())  # rounds the fp32 master to bf16
+        loss_sum, count = compute(mb, mode=mode)
         (loss_sum / count).backward()
+        if bf16:
+            for p, c in zip(model.parameters(), compute.parameters()):
+                p.grad, c.grad = c.grad.float(), None
         opt.step()
         opt.zero_grad()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
