@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,6 +32,7 @@ import torch.nn.functional as F
 from ..batch import Microbatch
 from ..encoder_calls import ENCODER_CALLS_KEY, calls_from_groups
 from ..errors import InvalidInput
+from ..plan import ParallelPlan
 
 __all__ = [
     "LOSS_MODES",
@@ -118,7 +118,7 @@ def global_loss_count(
     return local
 
 
-def require_world(plan: Any, who: str) -> None:
+def require_world(plan: ParallelPlan, who: str) -> None:
     """Refuse to lay out ``plan`` unless torch.distributed runs exactly ``plan.world_size`` ranks:
     every adapter maps global ranks through ``plan.rank_coords``, which assumes that world."""
     if not dist.is_initialized():

@@ -57,6 +57,7 @@ from torch import nn
 
 from ..batch import Microbatch
 from ..errors import InvalidInput, PlanError
+from ..plan import ParallelPlan
 from .common import (
     EncoderOutputBuffer,
     global_loss_count,
@@ -88,39 +89,25 @@ def avoid_cpu_op_builds() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-def _stage_layers(plan: Any) -> list[tuple[int, int]]:
-    """LLM layer range of every pipeline stage (encoder segments ride on their stage)."""
-    ranges = []
-    for stage in plan.stages:
-        llm = [s for s in stage.segments if s.encoder_index is None]
-        if llm:
-            ranges.append((llm[0].layer_start, llm[-1].layer_end))
-        else:
-            ranges.append(None)
-    if any(r is None for r in ranges):
-        raise PlanError(
-            "deepspeed adapter: a pipeline stage holds no LLM layers; DeepSpeed's PipelineModule "
-            "is one layer sequence, so place the encoders on the first LLM stage (plan a "
-            "'mixed' first stage) or use the Megatron adapter"
-        )
-    return ranges
-
-
-def pipeline_parts(plan: Any, first_extra: int = 1, last_extra: int = 1) -> list[int]:
+def pipeline_parts(plan: ParallelPlan, first_extra: int = 1, last_extra: int = 1) -> list[int]:
     """PipelineModule ``parts`` (stage boundaries in its layer list) from the plan's layer ranges.
 
     The layer list is ``first_extra`` input layers (encoders + embedding), the
     LLM blocks, then ``last_extra`` output layers (norm + head).
     """
-    ranges = _stage_layers(plan)
-    if ranges[0][0] != 0 or any(a[1] != b[0] for a, b in zip(ranges, ranges[1:])):
-        raise PlanError(f"deepspeed adapter: stage layer ranges {ranges} are not contiguous")
+    ranges = plan.llm_layer_ranges(
+        "deepspeed adapter",
+        hint="DeepSpeed's PipelineModule is one layer sequence, so place the encoders on the "
+        "first LLM stage (plan a 'mixed' first stage) or use the Megatron adapter",
+    )
     parts = [0] + [first_extra + end for _, end in ranges]
     parts[-1] += last_extra
     return parts
 
 
-def deepspeed_config(plan: Any, user_config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def deepspeed_config(
+    plan: ParallelPlan, user_config: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """The user's DeepSpeed config with the plan's batch geometry merged in.
 
     ``gradient_accumulation_steps`` = microbatches per replica per iteration;
@@ -154,7 +141,7 @@ class PlannedPipelineModule:
     importing this module does not import DeepSpeed.
     """
 
-    def __new__(cls, layers: Sequence[nn.Module], *, plan: Any, **kwargs: Any) -> Any:
+    def __new__(cls, layers: Sequence[nn.Module], *, plan: ParallelPlan, **kwargs: Any) -> Any:
         from deepspeed.pipe import PipelineModule
 
         parts = pipeline_parts(plan)

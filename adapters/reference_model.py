@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -34,6 +33,7 @@ from torch import nn
 from ..batch import Microbatch
 from ..encoder_calls import ENCODER_CALLS_KEY
 from ..errors import InvalidInput
+from ..plan import ParallelPlan
 from .common import EncoderOutputBuffer, loss_sums
 from .encoding import ENCODER_TENSORS, ENCODERS, encode_into_buffer, encode_uniform
 
@@ -416,7 +416,11 @@ def pack_microbatch(
 
 
 def synthetic_stream(
-    plan: Any, replica: int, steps: int, samples_per_batch: int | None = None, seed: int = 0
+    plan: ParallelPlan,
+    replica: int,
+    steps: int,
+    samples_per_batch: int | None = None,
+    seed: int = 0,
 ) -> Iterator[Microbatch]:
     """Replica ``replica``'s microbatches for ``steps`` iterations of synthetic global batches,
     assigned by Entrain's ``assign()`` as the loader service would (examples, smoke tests)."""

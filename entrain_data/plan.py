@@ -262,6 +262,52 @@ class ParallelPlan:
             groups.setdefault(root(i), []).append(i)
         return sorted(groups.values())
 
+    def llm_layer_ranges(
+        self, who: str, *, encoder_stages: bool = False, hint: str = ""
+    ) -> list[tuple[int, int]]:
+        """LLM layers ``[start, end)`` of every stage that holds LLM layers, checked once for
+        every adapter: the ranges are contiguous from layer 0, encoder layers ride only on
+        the first LLM stage (where the embedding consumes their outputs), and a stage without
+        LLM layers is refused unless ``encoder_stages`` allows leading encoder-only stages
+        (Megatron's multi-module layout). ``who`` and ``hint`` go into the message."""
+        hint = f"; {hint}" if hint else ""
+        n_enc = 0
+        while encoder_stages and n_enc < len(self.stages) and self.stages[n_enc].kind == "encoder":
+            n_enc += 1
+        ranges = []
+        for i, st in enumerate(self.stages):
+            llm = [s for s in st.segments if s.encoder_index is None]
+            if i < n_enc:
+                continue
+            if not llm:
+                where = (
+                    f"is encoder-only but follows LLM stage {n_enc}"
+                    if encoder_stages
+                    else "holds no LLM layers"
+                )
+                raise PlanError(f"{who}: plan.stages[{i}] {where}{hint}")
+            riding = [s.module for s in st.segments if s.encoder_index is not None]
+            if i > n_enc and riding:
+                raise PlanError(
+                    f"{who}: plan.stages[{i}].segments hold encoder layers {riding} on LLM "
+                    f"stage {i}; only the first LLM stage ({n_enc}) may, where the embedding "
+                    "consumes their outputs"
+                )
+            ranges.append((llm[0].layer_start, llm[-1].layer_end))
+            if any(a.layer_end != b.layer_start for a, b in zip(llm, llm[1:])):
+                raise PlanError(f"{who}: plan.stages[{i}] LLM segments are not contiguous")
+        if not ranges:
+            raise PlanError(f"{who}: no stage of the plan holds LLM layers{hint}")
+        if ranges[0][0] != 0:
+            raise PlanError(f"{who}: the first LLM stage starts at layer {ranges[0][0]}, not 0")
+        for i, ((_, end), (start, _)) in enumerate(zip(ranges, ranges[1:]), start=n_enc):
+            if start != end:
+                raise PlanError(
+                    f"{who}: LLM layer ranges {ranges} are not contiguous (plan.stages[{i}] "
+                    f"ends at {end}, plan.stages[{i + 1}] starts at {start})"
+                )
+        return ranges
+
     def stage_encoder_cost(self, encoder_cost: np.ndarray) -> np.ndarray:
         """[N, E] per-encoder sample costs -> [N, G] one column per :meth:`encoder_groups` group."""
         enc = np.asarray(encoder_cost, dtype=np.float64)

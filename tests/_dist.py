@@ -44,6 +44,9 @@ __all__ = [
     "make_model",
     "reference_params",
     "reference_params_bf16",
+    "reference_params_adam",
+    "make_adam",
+    "bf16_noise",
     "assert_params_close",
 ]
 
@@ -188,8 +191,28 @@ def make_model(seed: int = 0, bf16_init: bool = False, **kw: Any) -> ReferenceML
 
 
 @functools.lru_cache(maxsize=8)
-def _reference(steps: int, mode: str, seed: int, bf16: bool = False) -> dict[str, torch.Tensor]:
-    return _train_reference(global_batches(steps), mode, seed, bf16)
+def _reference(
+    steps: int, mode: str, seed: int, bf16: bool = False, adam: bool = False
+) -> dict[str, torch.Tensor]:
+    return _train_reference(global_batches(steps), mode, seed, bf16, adam)
+
+
+ADAM_LR = 1e-2
+ADAM_EPS = 1e-3
+
+
+def make_adam(params: Any) -> torch.optim.Optimizer:
+    """The Adam the Adam-only paths (Megatron's distributed optimizer) are compared with:
+    betas 0.9/0.999, no weight decay, ``eps`` 1e-3 (not 1e-8): some gradients are zero in exact
+    arithmetic (an attention key bias), float noise there, and Adam would turn that noise
+    into lr-sized steps; eps above the noise keeps the comparison about real gradients."""
+    return torch.optim.AdamW(params, lr=ADAM_LR, betas=(0.9, 0.999), eps=ADAM_EPS, weight_decay=0.0)
+
+
+def reference_params_adam(steps: int, bf16: bool = False) -> dict[str, torch.Tensor]:
+    """The scenario's unbalanced run with :func:`make_adam` (fp32, or bf16 as
+    :func:`reference_params_bf16`)."""
+    return _reference(steps, "token", 0, bf16, True)
 
 
 def reference_params_bf16(steps: int, mode: str = "token") -> dict[str, torch.Tensor]:
@@ -211,6 +234,14 @@ def reference_params(
     return _train_reference(batches, mode, seed)
 
 
+def bf16_noise(steps: int, adam: bool = False) -> float:
+    """How far bf16 arithmetic alone moves the scenario's parameters: the unbalanced bf16 run
+    against the unbalanced fp32 run from the same (bf16-rounded) initial weights."""
+    fp32 = _train_reference(global_batches(steps), "token", 0, False, adam, rounded_init=True)
+    bf16 = _reference(steps, "token", 0, True, adam)
+    return max(float((bf16[k] - fp32[k]).abs().max()) for k in fp32)
+
+
 def _fingerprint(batches: list[list[SyntheticSample]]) -> tuple:
     return tuple(
         (
@@ -225,11 +256,16 @@ def _fingerprint(batches: list[list[SyntheticSample]]) -> tuple:
 
 
 def _train_reference(
-    batches: list[list[SyntheticSample]], mode: str, seed: int, bf16: bool = False
+    batches: list[list[SyntheticSample]],
+    mode: str,
+    seed: int,
+    bf16: bool = False,
+    adam: bool = False,
+    rounded_init: bool | None = None,
 ) -> dict[str, torch.Tensor]:
-    model = make_model(seed, bf16_init=bf16)
+    model = make_model(seed, bf16_init=bf16 if rounded_init is None else rounded_init)
     compute = make_model(seed).to(torch.bfloat16) if bf16 else model
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    opt = make_adam(model.parameters()) if adam else torch.optim.SGD(model.parameters(), lr=LR)
     for it, batch in enumerate(batches):
         samples = {s.key: s for s in batch}
         keys = list(samples)
