@@ -41,7 +41,7 @@ from .assignment import assign
 from .cost_model import SampleCosts, per_sample_costs
 from .errors import InvalidInput, PlanError
 from .metadata import SampleTable
-from .plan import Cluster, ParallelPlan, StagePlan, StageSegment
+from .plan import Cluster, ParallelPlan, StagePlan
 from .plan_layout import layer_units, memory_gb, stage_params, stages_for
 from .presets import ModelSpec
 from .profiler import MacroProfile
@@ -57,11 +57,6 @@ from .simulator import (
 __all__ = [
     "make_plan",
     "Candidate",
-    "Cluster",
-    "StagePlan",
-    "StageSegment",
-    "ParallelPlan",
-    "PlanError",
     "TP_EFFICIENCY",
     "MEMORY_HEADROOM",
 ]
