@@ -105,6 +105,10 @@ def pipeline_parts(plan: ParallelPlan, first_extra: int = 1, last_extra: int = 1
     return parts
 
 
+ZERO_STAGE = {"none": 0, "optimizer": 1, "gradients": 2, "full": 3}
+"""ZeRO stage of each ``ParallelPlan.sharding``."""
+
+
 def deepspeed_config(
     plan: ParallelPlan, user_config: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -115,8 +119,26 @@ def deepspeed_config(
     nominal figure: balanced microbatches vary in size, DeepSpeed only uses it
     for bookkeeping); ``train_batch_size`` consistent with both and ``dp``.
     Conflicting user values are an error naming the key.
+
+    ``zero_optimization.stage`` from ``plan.sharding`` (none 0, optimizer 1,
+    gradients 2, full 3) unless the user config sets one; a different stage is
+    kept, with a warning, since the plan's memory estimate assumed its own.
+    Activation recomputation (``plan.stages[i].recompute``) is the model's to
+    apply (``deepspeed.checkpointing.checkpoint`` around its blocks).
     """
     cfg = copy.deepcopy(dict(user_config or {}))
+    zero = dict(cfg.get("zero_optimization") or {})
+    stage = ZERO_STAGE[plan.sharding]
+    if "stage" in zero and zero["stage"] != stage:
+        log.warning(
+            "deepspeed config: zero_optimization.stage=%s, the plan's sharding %r is stage %d "
+            "(its memory estimate assumed that)",
+            zero["stage"],
+            plan.sharding,
+            stage,
+        )
+    zero.setdefault("stage", stage)
+    cfg["zero_optimization"] = zero
     micro = max(1, plan.global_batch // (plan.dp * plan.microbatches))
     wanted = {
         "gradient_accumulation_steps": plan.microbatches,

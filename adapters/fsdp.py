@@ -17,6 +17,7 @@ master weights and optimizer, bf16 compute, gradients reduced in fp32.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import Any
 
@@ -24,8 +25,15 @@ import torch
 from torch import nn
 
 from ..errors import InvalidInput
+from ..plan import ParallelPlan
 
-__all__ = ["mixed_precision_policy", "shard_per_block", "reference_blocks"]
+__all__ = [
+    "mixed_precision_policy",
+    "shard_per_block",
+    "reference_blocks",
+    "recompute_blocks",
+    "wrap_from_plan",
+]
 
 
 def mixed_precision_policy(bf16: bool) -> Any:
@@ -65,3 +73,52 @@ def shard_per_block(
         fully_shard(block, **kw)
     fully_shard(model, **kw)
     return model
+
+
+def recompute_blocks(blocks: Iterable[nn.Module]) -> None:
+    """Full activation recomputation of each block, in place: its forward runs under torch's
+    non-reentrant ``checkpoint``, so only the block's inputs are kept and the backward repeats
+    the forward (inside the block's own FSDP hooks, which gather the weights first)."""
+    from torch.utils.checkpoint import checkpoint
+
+    for block in blocks:
+        block.forward = functools.partial(_checkpointed, checkpoint, block.forward)  # type: ignore[method-assign]
+
+
+def _checkpointed(checkpoint: Any, forward: Any, *args: Any, **kw: Any) -> Any:
+    return checkpoint(forward, *args, use_reentrant=False, **kw)
+
+
+def wrap_from_plan(
+    model: nn.Module,
+    plan: ParallelPlan,
+    mesh: Any,
+    blocks: Iterable[nn.Module] | None = None,
+    *,
+    bf16: bool = False,
+) -> nn.Module:
+    """Apply the plan's data-parallel sharding and recomputation to a one-stage (pp=1) model.
+
+    ``full``: :func:`shard_per_block` (ZeRO-3); ``gradients``: the same without
+    resharding after forward (weights stay gathered until the backward, ZeRO-2's
+    memory); ``optimizer`` / ``none``: torch DDP (pair it with
+    ``ZeroRedundancyOptimizer`` for ``optimizer``). ``mesh``: the plan's
+    ``("pp", "dp", "tp")`` mesh. Blocks recompute when ``plan.stages[0].recompute``.
+    """
+    if plan.pp != 1:
+        raise InvalidInput(
+            f"wrap_from_plan: plan.pp={plan.pp}; pipelined plans go through PipelineTrainer"
+        )
+    blocks = list(reference_blocks(model) if blocks is None else blocks)
+    if plan.stages[0].recompute:
+        recompute_blocks(blocks)
+    if plan.sharding in ("full", "gradients"):
+        return shard_per_block(
+            model, mesh["dp"], blocks, bf16=bf16, reshard_after_forward=plan.sharding == "full"
+        )
+    if bf16:
+        raise InvalidInput(
+            f"wrap_from_plan: bf16 with plan.sharding={plan.sharding!r} (DDP): use "
+            "torch.autocast in the forward, or sharding 'gradients'/'full' (FSDP2 mixed precision)"
+        )
+    return nn.parallel.DistributedDataParallel(model, process_group=mesh["dp"].get_group())

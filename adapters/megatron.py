@@ -87,7 +87,7 @@ MEGATRON_CORE_VERSION = "0.16.1"
 ATTENTION_MODES = ("thd", "mask")
 
 
-def transformer_settings(plan: ParallelPlan) -> dict[str, Any]:
+def transformer_settings(plan: ParallelPlan, stage: int | None = None) -> dict[str, Any]:
     """``TransformerConfig`` keyword arguments from the plan: parallel sizes, the uneven layer
     split (first/last stage layer counts), per-token loss and variable sequence lengths.
 
@@ -96,13 +96,22 @@ def transformer_settings(plan: ParallelPlan) -> dict[str, Any]:
     A plan with encoder-only stages is refused: its LLM is one module of a
     multi-module layout (:func:`module_grids_from_plan`,
     :func:`llm_transformer_settings`).
+
+    Recomputation: full, uniform, one layer per checkpoint when this rank's
+    pipeline ``stage`` recomputes in the plan (``stage`` None: when every stage does).
     """
     ranges = plan.llm_layer_ranges(
         "megatron adapter",
         hint="a stage without LLM layers needs Megatron's multi-module (encoder) pipeline: "
         "use module_grids_from_plan, multimodule_communicator and llm_transformer_settings",
     )
-    return _settings_from_counts(plan.tp, [end - start for start, end in ranges])
+    settings = _settings_from_counts(plan.tp, [end - start for start, end in ranges])
+    flags = [st.recompute for st in plan.stages]
+    if flags[stage] if stage is not None else all(flags):
+        settings.update(
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+        )
+    return settings
 
 
 def _settings_from_counts(tp: int, counts: list[int]) -> dict[str, Any]:
@@ -313,8 +322,11 @@ def finalize_per_token_grads(
 
 
 # ------------------------------------------------ Megatron-Core DDP + distributed optimizer
-def ddp_settings(*, bf16: bool = False, distributed_optimizer: bool = True) -> dict[str, Any]:
+def ddp_settings(plan: ParallelPlan | None = None, *, bf16: bool = False) -> dict[str, Any]:
     """``DistributedDataParallelConfig`` keyword arguments for balanced microbatches.
+
+    ``use_distributed_optimizer`` unless ``plan.sharding`` is ``"none"``;
+    ``"full"`` is refused: Megatron-Core's DDP keeps whole weights on every rank.
 
     ``overlap_grad_reduce``: buckets reduce during the last microbatch's backward,
     as Megatron users run it; safe here because :func:`prepare_iteration` makes
@@ -324,17 +336,29 @@ def ddp_settings(*, bf16: bool = False, distributed_optimizer: bool = True) -> d
     accumulate in fp32 ``main_grad`` (a balanced step sums M of them).
     """
     return {
-        "use_distributed_optimizer": distributed_optimizer,
+        "use_distributed_optimizer": _distributed_optimizer(plan),
         "overlap_grad_reduce": True,
         "grad_reduce_in_fp32": bf16,
         "average_in_collective": False,  # per-token loss: finalize_model_grads divides
     }
 
 
-def optimizer_settings(*, bf16: bool = False, distributed_optimizer: bool = True) -> dict[str, Any]:
+def optimizer_settings(plan: ParallelPlan | None = None, *, bf16: bool = False) -> dict[str, Any]:
     """``OptimizerConfig`` keyword arguments matching :func:`ddp_settings` (Megatron-Core
     0.16.1's distributed optimizer takes Adam only)."""
-    return {"bf16": bf16, "use_distributed_optimizer": distributed_optimizer}
+    return {"bf16": bf16, "use_distributed_optimizer": _distributed_optimizer(plan)}
+
+
+def _distributed_optimizer(plan: ParallelPlan | None) -> bool:
+    if plan is None:
+        return True
+    if plan.sharding == "full":
+        raise InvalidInput(
+            "megatron adapter: plan.sharding='full' shards the weights, which Megatron-Core's "
+            "DistributedDataParallel does not; use Megatron-FSDP, or plan.sharding='optimizer' "
+            "(distributed optimizer), or the torch adapter's shard_per_block (FSDP2)"
+        )
+    return plan.sharding != "none"
 
 
 def prepare_iteration(

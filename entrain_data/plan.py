@@ -24,9 +24,15 @@ __all__ = [
     "StagePlan",
     "RankCoords",
     "ParallelPlan",
+    "SHARDING",
 ]
 
 PLAN_SCHEMA_VERSION = 1
+
+SHARDING = ("none", "optimizer", "gradients", "full")
+"""What the data-parallel group shards (``ParallelPlan.sharding``): nothing (DDP), optimizer
+state and master weights (ZeRO-1, Megatron's distributed optimizer), also gradients (ZeRO-2),
+also the weights (ZeRO-3, FSDP with every block wrapped)."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,7 @@ class StagePlan:
     index: int
     segments: tuple[StageSegment, ...]
     expected_load: float = 0.0
+    recompute: bool = False  # full activation recomputation on this stage
 
     def __post_init__(self) -> None:
         if not self.segments:
@@ -130,13 +137,19 @@ class StagePlan:
             "layers": {s.module: [s.layer_start, s.layer_end] for s in self.segments},
             "segments": [asdict(s) for s in self.segments],
             "expected_load": self.expected_load,
+            "recompute": self.recompute,
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StagePlan:
         try:
             segs = tuple(StageSegment(**s) for s in d["segments"])
-            return cls(int(d["index"]), segs, float(d.get("expected_load", 0.0)))
+            return cls(
+                int(d["index"]),
+                segs,
+                float(d.get("expected_load", 0.0)),
+                bool(d.get("recompute", False)),
+            )
         except (KeyError, TypeError) as exc:
             raise InvalidInput(f"plan: malformed stage entry ({exc})") from exc
 
@@ -173,7 +186,8 @@ class ParallelPlan:
     oracle_gap: float = 0.0
     worst_static_gap: float = 0.0
     memory_gb: tuple[float, ...] = ()
-    recompute: bool = False
+    recompute: bool = False  # any stage recomputes (see StagePlan.recompute)
+    sharding: str = "optimizer"  # one of SHARDING
     model: dict = field(default_factory=dict)
     calibration: dict | None = None
     search: dict = field(default_factory=dict)
@@ -199,6 +213,10 @@ class ParallelPlan:
         if self.global_batch < self.dp * self.microbatches:
             raise PlanError(
                 f"plan: global_batch {self.global_batch} < dp*microbatches = {self.dp * self.microbatches}"
+            )
+        if self.sharding not in SHARDING:
+            raise InvalidInput(
+                f"plan: field 'sharding' is {self.sharding!r}, choose one of {', '.join(SHARDING)}"
             )
         if self.schema_version > PLAN_SCHEMA_VERSION:
             raise InvalidInput(

@@ -10,22 +10,12 @@ batch. The plan is the layout with the lowest mean simulated iteration time;
 the per-batch oracle picks the best simulated layout afresh for every batch,
 and ``oracle_gap`` is how much slower the static choice is on average.
 
-Model of time and memory (stated so it can be checked and calibrated):
-
-- stage compute: the cost model's seconds / (tp * 0.9 ** log2(tp)), i.e. 10 %
-  lost to tensor-parallel communication per doubling;
-- point-to-point: each microbatch's activations (tokens x hidden x 2 bytes)
-  cross every stage boundary forward and backward at NVLink speed inside a
-  node, at network speed across nodes;
-- DP gradient all-reduce of the largest stage's bf16 gradients, not overlapped;
-- memory per GPU: bf16 weights + fp32 gradients + fp32 Adam state and master
-  weights sharded over dp (distributed optimizer: 6 + 12/dp bytes/param;
-  frozen weights 2 bytes), plus activations of the microbatches 1F1B keeps in
-  flight on the stage (S - s of them) at the token cap (34 * hidden / tp bytes
-  per token per layer, Korthikanti et al. 2022 with flash attention), plus the
-  deferral buffer on the stage that receives encoder outputs. A layout that does
-  not fit may use full activation recomputation (only layer inputs kept; the
-  backward repeats the forward), chosen only where it is needed.
+Model of time: :mod:`.plan_time`; of memory: :mod:`.plan_layout`. Every
+layout is tried with each data-parallel sharding (``none``, ``optimizer``,
+``gradients``, ``full``); a stage whose memory does not fit recomputes its
+activations (only that stage: recomputation costs time and frees memory, so
+a stage that fits without it never takes it). Sharding and recomputation are
+then scored like every other choice, analytically and in the simulation.
 """
 
 from __future__ import annotations
@@ -41,8 +31,16 @@ from .assignment import assign
 from .cost_model import SampleCosts, per_sample_costs
 from .errors import InvalidInput, PlanError
 from .metadata import SampleTable
-from .plan import Cluster, ParallelPlan, StagePlan
+from .plan import SHARDING, Cluster, ParallelPlan, StagePlan
 from .plan_layout import layer_units, memory_gb, stage_params, stages_for
+from .plan_time import (
+    OVERHEAD_PER_MICROBATCH,
+    RECOMPUTE_SLOWDOWN,
+    gather_times,
+    group_bandwidth,
+    sync_time,
+    tp_speedup,
+)
 from .presets import ModelSpec
 from .profiler import MacroProfile
 from .simulator import (
@@ -57,16 +55,12 @@ from .simulator import (
 __all__ = [
     "make_plan",
     "Candidate",
-    "TP_EFFICIENCY",
     "MEMORY_HEADROOM",
 ]
 
 log = logging.getLogger(__name__)
 
-TP_EFFICIENCY = 0.9  # compute efficiency kept per doubling of tensor parallelism
 MEMORY_HEADROOM = 0.9  # share of GPU memory the plan may use
-RECOMPUTE_SLOWDOWN = 4.0 / 3.0  # full recomputation repeats the forward (f + 2f -> 2f + 2f)
-OVERHEAD_PER_MICROBATCH = 2e-4  # seconds of launch/scheduling per stage per microbatch
 MAX_STAGES = 32  # deepest pipeline searched
 SCREEN_BATCHES = 2  # profiled batches every simulated layout is scored on
 SCREEN_MARGIN = 0.10  # slower than the best by more on those: not simulated on the rest
@@ -83,38 +77,21 @@ class Candidate:
     stages: tuple[StagePlan, ...]
     memory_gb: tuple[float, ...]
     analytic_time: float
-    recompute: bool = False
+    recompute: tuple[bool, ...] = ()  # per stage
     encoder_stages: int = 0  # pure encoder stages in front of the LLM's (0: encoders share one)
+    sharding: str = "optimizer"
 
 
-def _tp_speedup(tp: int) -> float:
-    return tp * TP_EFFICIENCY ** math.log2(tp)
-
-
-def _analytic(stages, tp, dp, m, cluster, model, mean_tokens_mb, params) -> float:
-    """``(M + S - 1)`` x the slowest stage's mean microbatch (+ p2p), plus the DP sync."""
-    loads = np.array([st.expected_load for st in stages]) / (dp * m) / _tp_speedup(tp)
+def _analytic(stages, tp, dp, m, cluster, model, mean_tokens_mb, params, rc, sharding) -> float:
+    """``(M + S - 1)`` x the slowest stage's mean microbatch (+ p2p, + weight gathers not
+    hidden by compute), plus the per-iteration DP collectives."""
+    loads = np.array([st.expected_load for st in stages]) / (dp * m) / tp_speedup(tp)
+    loads = loads * np.where(rc, RECOMPUTE_SLOWDOWN, 1.0)
+    loads = np.maximum(loads, 2 * gather_times(params, tp, dp, cluster, sharding))
     pp = len(stages)
-    bw_p2p = (
-        cluster.intra_node_gbps if tp * pp <= cluster.gpus_per_node else cluster.inter_node_gbps
-    ) * 1e9
-    p2p = 2 * mean_tokens_mb * model.llm.hidden * 2 / bw_p2p if pp > 1 else 0.0
-    per_mb = loads.max() + p2p + OVERHEAD_PER_MICROBATCH
-    return (m + pp - 1) * per_mb + _sync_time(params, tp, dp, cluster)
-
-
-def _sync_time(params: list[tuple[float, float]], tp: int, dp: int, cluster: Cluster) -> float:
-    """DP all-reduce of the largest stage's bf16 gradients (ring: 2 (dp-1)/dp of the bytes).
-
-    ``params``: (trainable, frozen) parameters of every stage.
-    """
-    if dp == 1:
-        return 0.0
-    grads = max(p[0] for p in params) * 2 / tp
-    bw = (
-        cluster.intra_node_gbps if tp * dp <= cluster.gpus_per_node else cluster.inter_node_gbps
-    ) * 1e9
-    return 2 * (dp - 1) / dp * grads / bw
+    p2p = 2 * mean_tokens_mb * model.llm.hidden * 2 / group_bandwidth(cluster, tp * pp)
+    per_mb = loads.max() + (p2p if pp > 1 else 0.0) + OVERHEAD_PER_MICROBATCH
+    return (m + pp - 1) * per_mb + sync_time(params, tp, dp, cluster, sharding)
 
 
 def _divisors(n: int) -> list[int]:
@@ -139,13 +116,18 @@ def make_plan(
     calibration: dict | None = None,
     costs: SampleCosts | None = None,
     profile: MacroProfile | None = None,
+    shardings: tuple[str, ...] = SHARDING,
+    recompute: str = "stage",
 ) -> ParallelPlan:
     """Search the feasible layouts for ``model`` on ``cluster`` and return the static plan.
 
     ``profile`` (a :class:`~entrain_data.profiler.MacroProfile` of ``table``)
     supplies the global batches to score on; otherwise ``batches`` global
     batches of ``global_batch`` samples are drawn with ``seed``. ``dp``, ``tp``,
-    ``pp`` and ``microbatches`` pin parts of the layout. Raises
+    ``pp`` and ``microbatches`` pin parts of the layout. ``shardings``: the
+    data-parallel shardings tried; ``recompute``: ``"stage"`` (each stage that
+    does not fit recomputes) or ``"all"`` (every stage, when one does not fit:
+    the planner before per-stage recomputation, for comparisons). Raises
     :class:`~entrain_data.errors.PlanError` naming why when nothing fits.
     """
     t0 = time.perf_counter()
@@ -153,6 +135,11 @@ def make_plan(
         model = replace(model, encoders=tuple(e.with_frozen() for e in model.encoders))
     idx = _profiled_batches(table, global_batch, batches, seed, profile)
     batches, global_batch = idx.shape
+    bad = [x for x in shardings if x not in SHARDING] or ([] if shardings else ["(none)"])
+    if bad or recompute not in ("stage", "all"):
+        raise InvalidInput(
+            f"shardings {bad} / recompute {recompute!r}: choose from {SHARDING} / stage, all"
+        )
     for name, v in (("dp", dp), ("tp", tp), ("pp", pp), ("microbatches", microbatches)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise InvalidInput(f"{name} must be a positive integer, got {v!r}")
@@ -162,7 +149,15 @@ def make_plan(
     tok = costs.llm_tokens.astype(np.int64)
     ctx = _Context(model, cluster, global_batch, tok[idx], int(tok.max()), _enc_tokens(costs, idx))
     cands, smallest_need = _candidates(
-        ctx, layer_units(model, costs, idx), dp, tp, pp, microbatches, schedule
+        ctx,
+        layer_units(model, costs, idx),
+        dp,
+        tp,
+        pp,
+        microbatches,
+        schedule,
+        shardings,
+        recompute,
     )
     if not cands:
         if smallest_need is math.inf:
@@ -194,9 +189,12 @@ def make_plan(
         pp=c.pp,
         stages=tuple(
             StagePlan(
-                s.index, s.segments, s.expected_load / (c.dp * c.microbatches) / _tp_speedup(c.tp)
+                s.index,
+                s.segments,
+                s.expected_load / (c.dp * c.microbatches) / tp_speedup(c.tp),
+                rc,
             )
-            for s in c.stages
+            for s, rc in zip(c.stages, c.recompute)
         ),
         microbatches=c.microbatches,
         global_batch=global_batch,
@@ -208,7 +206,8 @@ def make_plan(
         oracle_gap=float(means[best] / oracle - 1.0),
         worst_static_gap=float(1.0 - means[best] / means[worst]),
         memory_gb=c.memory_gb,
-        recompute=c.recompute,
+        recompute=any(c.recompute),
+        sharding=c.sharding,
         model=model.to_dict(),
         calibration=calibration
         if isinstance(calibration, dict) or calibration is None
@@ -228,7 +227,8 @@ def make_plan(
                     "dp": x.dp,
                     "microbatches": x.microbatches,
                     "encoder_stages": x.encoder_stages,
-                    "recompute": x.recompute,
+                    "recompute": list(x.recompute),
+                    "sharding": x.sharding,
                     "stages": [s.module for s in x.stages],
                     "analytic_time": x.analytic_time,
                     "mean_time": float(mt),
@@ -307,7 +307,7 @@ def _caps(ctx: _Context, dp: int, m: int) -> tuple[int, int]:
 
 
 def _candidates(
-    ctx: _Context, units, dp, tp, pp, microbatches, schedule
+    ctx: _Context, units, dp, tp, pp, microbatches, schedule, shardings, recompute
 ) -> tuple[list[Candidate], float]:
     """Every layout meeting the pins whose memory fits, with its analytic time."""
     model, cluster, world = ctx.model, ctx.cluster, ctx.cluster.world_size
@@ -335,6 +335,7 @@ def _candidates(
     enc_tok = ctx.enc_tokens_b
     cands: list[Candidate] = []
     smallest_need = math.inf
+    limit = MEMORY_HEADROOM * cluster.gpu_memory_gb
     stage_cache: dict[tuple[int, int], tuple[StagePlan, ...] | None] = {}
     params_cache: dict[tuple[int, int], list[tuple[float, float]]] = {}
     for t in tps:
@@ -360,20 +361,23 @@ def _candidates(
                     cap, budget = _caps(ctx, d, mm)
                     enc_tokens = int(math.ceil(1.5 * enc_tok.sum(axis=1).max() / (d * mm)))
                     enc_tokens = max(enc_tokens, int(enc_tok.max()))
-                    for rc in (False, True):  # recompute only when the layout needs it
-                        mem = memory_gb(
-                            model, stages, t, d, mm, cap, enc_tokens, budget, rc, params, schedule
-                        )
-                        smallest_need = min(smallest_need, max(mem))
-                        if max(mem) <= MEMORY_HEADROOM * cluster.gpu_memory_gb:
-                            break
-                    else:
-                        continue
                     mean_tokens = ctx.tokens_b.sum(axis=1).mean() / (d * mm)
-                    at = _analytic(stages, t, d, mm, cluster, model, mean_tokens, params)
-                    at *= RECOMPUTE_SLOWDOWN if rc else 1.0
-                    cands.append(Candidate(t, p, d, mm, stages, mem, at, rc, k))
-    cands.sort(key=lambda c: c.analytic_time)
+                    for sh in shardings:
+                        args = (model, stages, t, d, mm, cap, enc_tokens, budget)
+                        mem = memory_gb(*args, False, params, schedule, sh)
+                        rc = tuple(x > limit for x in mem)
+                        if any(rc):
+                            rc = (True,) * len(rc) if recompute == "all" else rc
+                            mem = memory_gb(*args, rc, params, schedule, sh)
+                        smallest_need = min(smallest_need, max(mem))
+                        if max(mem) > limit:
+                            continue
+                        at = _analytic(
+                            stages, t, d, mm, cluster, model, mean_tokens, params, rc, sh
+                        )
+                        cands.append(Candidate(t, p, d, mm, stages, mem, at, rc, k, sh))
+    # equal times: the layout that needs less memory (e.g. "optimizer" before "none")
+    cands.sort(key=lambda c: (c.analytic_time, max(c.memory_gb)))
     return cands, smallest_need
 
 
@@ -383,9 +387,9 @@ def _to_simulate(cands: list[Candidate], top: int) -> list[Candidate]:
     Distinct layouts (tp, pp, encoder stages) make the per-batch oracle a real
     alternative; the worst feasible layout prices a wrong static choice.
     """
-    best_of: dict[tuple[int, int, int], Candidate] = {}
+    best_of: dict[tuple[int, int, int, str], Candidate] = {}
     for c in cands:
-        best_of.setdefault((c.tp, c.pp, c.encoder_stages), c)
+        best_of.setdefault((c.tp, c.pp, c.encoder_stages, c.sharding), c)
     layouts = list(best_of.values())[: max(1, top)]
     lead = layouts[0]
     siblings = [
@@ -437,10 +441,12 @@ def _simulate(ctx: _Context, chosen, costs, idx, seed, schedule) -> tuple[np.nda
         a = assignments[akey]
         if id(c.stages) not in per_stage:
             per_stage[id(c.stages)] = stage_sample_costs(costs, c.stages)
-        sync = _sync_time([stage_params(ctx.model, st) for st in c.stages], c.tp, c.dp, ctx.cluster)
-        f, bw = times_from_sample_costs(a, per_stage[id(c.stages)], b, _tp_speedup(c.tp))
-        if c.recompute:
-            bw = bw + f
+        params = [stage_params(ctx.model, st) for st in c.stages]
+        sync = sync_time(params, c.tp, c.dp, ctx.cluster, c.sharding)
+        f, bw = times_from_sample_costs(a, per_stage[id(c.stages)], b, tp_speedup(c.tp))
+        bw = bw + f * np.asarray(c.recompute, dtype=float)
+        gather = gather_times(params, c.tp, c.dp, ctx.cluster, c.sharding)
+        f, bw = np.maximum(f, gather), np.maximum(bw, gather)
         mb_tokens = set_loads(a.llm_sets, tok[b]) if c.pp > 1 else None
         f, bw = _add_comm(f, bw, c, ctx, mb_tokens)
         sims[ci, k] = simulate_pipeline(f, bw, schedule).iteration_time + sync
@@ -475,8 +481,7 @@ def _add_comm(f, b, c: Candidate, ctx: _Context, mb_tokens: np.ndarray | None) -
     b = b + OVERHEAD_PER_MICROBATCH
     if c.pp == 1:
         return f, b
-    cl = ctx.cluster
-    bw = (cl.intra_node_gbps if c.tp * c.pp <= cl.gpus_per_node else cl.inter_node_gbps) * 1e9
+    bw = group_bandwidth(ctx.cluster, c.tp * c.pp)
     t = mb_tokens * ctx.model.llm.hidden * 2 / bw
     f[..., :-1] += t[..., None]
     b[..., 1:] += t[..., None]

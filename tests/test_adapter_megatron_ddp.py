@@ -124,7 +124,7 @@ def _ddp_run(rank: int, world: int, bf16: bool) -> dict[str, torch.Tensor]:
     if bf16:
         model = Float16Module(config, model)
     ddp = DistributedDataParallel(
-        config, DistributedDataParallelConfig(**ddp_settings(bf16=bf16)), model
+        config, DistributedDataParallelConfig(**ddp_settings(plan, bf16=bf16)), model
     )
     config.no_sync_func = ddp.no_sync
     config.finalize_model_grads_func = finalize_model_grads
@@ -133,7 +133,7 @@ def _ddp_run(rank: int, world: int, bf16: bool) -> dict[str, torch.Tensor]:
         OptimizerConfig(
             optimizer="adam", lr=ref["lr"], adam_beta1=ref["betas"][0],
             adam_beta2=ref["betas"][1], adam_eps=ref["eps"], weight_decay=0.0, clip_grad=0.0,
-            **optimizer_settings(bf16=bf16),
+            **optimizer_settings(plan, bf16=bf16),
         ),
         [ddp],
     )  # fmt: skip

@@ -97,17 +97,27 @@ def test_service_calls_equal_the_all_reduce_fallback() -> None:
 
 
 # ------------------------------------------------------------------ FSDP2 per block
-def _fsdp_run(rank: int, world: int, mesh: object, bf16: bool) -> dict:
-    from entrain_data.adapters.fsdp import shard_per_block
+def _fsdp_run(rank: int, world: int, mesh: object, run: tuple[bool, str, bool]) -> dict:
+    """``run``: (bf16, plan sharding, recompute); the model wrapped by ``wrap_from_plan``."""
+    import dataclasses
+
+    from entrain_data.adapters.fsdp import wrap_from_plan
     from entrain_data.adapters.torch import accumulate_gradients, fsdp_per_module
 
-    model = shard_per_block(make_model(bf16_init=bf16), mesh["dp"], bf16=bf16)
+    bf16, sharding, recompute = run
+    plan = _plan(world)
+    plan = dataclasses.replace(
+        plan,
+        sharding=sharding,
+        stages=tuple(dataclasses.replace(st, recompute=recompute) for st in plan.stages),
+    )
+    model = wrap_from_plan(make_model(bf16_init=bf16), plan, mesh, bf16=bf16)
     assert fsdp_per_module(model)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     buffer = EncoderOutputBuffer(budget=4096)
-    calls = {"vision": 0, "audio": 0}
+    calls = {"vision": 0, "audio": 0, "layers.0.qkv": 0}
     for kind in calls:
-        getattr(model, kind).register_forward_hook(
+        model.get_submodule(kind).register_forward_hook(
             lambda *_, kind=kind: calls.__setitem__(kind, calls[kind] + 1)
         )
     for it, batch in enumerate(global_batches(STEPS)):
@@ -120,27 +130,43 @@ def _fsdp_run(rank: int, world: int, mesh: object, bf16: bool) -> dict:
     return {"state": state, "calls": calls}
 
 
-def _fsdp_rank(rank: int, world: int, out: str, runs: list[bool]) -> None:
+FSDP_RUNS = [(False, "full", False), (True, "full", False), (False, "gradients", True)]
+
+
+def _fsdp_rank(rank: int, world: int, out: str, runs: list[tuple]) -> None:
     from entrain_data.adapters.torch import device_mesh_from_plan
 
     mesh = device_mesh_from_plan(_plan(world))
-    torch.save({bf16: _fsdp_run(rank, world, mesh, bf16) for bf16 in runs}, f"{out}.{rank}")
+    torch.save({run: _fsdp_run(rank, world, mesh, run) for run in runs}, f"{out}.{rank}")
 
 
 @pytest.fixture(scope="module")
 def fsdp_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("fsdp") / "fsdp.pt"
-    run_ranks(_fsdp_rank, str(out), [False, True], timeout=200)
+    run_ranks(_fsdp_rank, str(out), FSDP_RUNS, timeout=200)
     return [torch.load(f"{out}.{r}") for r in range(2)]
 
 
 @pytest.mark.timeout(300)
 def test_fsdp2_per_block_balanced_equals_unbalanced(fsdp_results: list[dict]) -> None:
     """fp32: exact up to float summation order (the suite's 2e-5)."""
-    assert fsdp_results[0][False]["calls"] == fsdp_results[1][False]["calls"]
+    run = FSDP_RUNS[0]
+    assert fsdp_results[0][run]["calls"] == fsdp_results[1][run]["calls"]
     want = reference_params(global_batches(STEPS))
     for rank in range(2):
-        assert_params_close(fsdp_results[rank][False]["state"], want)
+        assert_params_close(fsdp_results[rank][run]["state"], want)
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_per_block_from_plan_gradients_recompute(fsdp_results: list[dict]) -> None:
+    """``wrap_from_plan`` with ``sharding="gradients"`` (no reshard after forward) and the
+    stage's recomputation (every block checkpointed): still the unbalanced run's parameters."""
+    plain, recomputed = fsdp_results[0][FSDP_RUNS[0]], fsdp_results[0][FSDP_RUNS[2]]
+    assert plain["calls"]["layers.0.qkv"] == STEPS * MICROBATCHES
+    assert recomputed["calls"]["layers.0.qkv"] == 2 * STEPS * MICROBATCHES  # forward repeated
+    want = reference_params(global_batches(STEPS))
+    for rank in range(2):
+        assert_params_close(fsdp_results[rank][FSDP_RUNS[2]]["state"], want)
 
 
 @pytest.mark.timeout(300)
@@ -148,7 +174,7 @@ def test_fsdp2_per_block_bf16_balanced_equals_unbalanced_bf16(fsdp_results: list
     """``MixedPrecisionPolicy(bf16, reduce fp32)`` against the unbalanced bf16 run."""
     want = reference_params_bf16(STEPS)
     for rank in range(2):
-        assert_params_close(fsdp_results[rank][True]["state"], want, atol=BF16_ATOL)
+        assert_params_close(fsdp_results[rank][FSDP_RUNS[1]]["state"], want, atol=BF16_ATOL)
 
 
 def test_bf16_tolerance_has_teeth() -> None:
