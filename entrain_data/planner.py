@@ -385,23 +385,31 @@ def _to_simulate(cands: list[Candidate], top: int) -> list[Candidate]:
     """The analytically best few distinct layouts, the best one's next microbatch count, the worst.
 
     Distinct layouts (tp, pp, encoder stages) make the per-batch oracle a real
-    alternative; the worst feasible layout prices a wrong static choice.
+    alternative; the worst feasible layout prices a wrong static choice. The
+    pick is made twice, over the distributed-optimizer candidates alone (what
+    the planner simulated before other shardings existed, so adding them can
+    only add layouts to the simulation) and over all of them.
     """
-    best_of: dict[tuple[int, int, int, str], Candidate] = {}
-    for c in cands:
-        best_of.setdefault((c.tp, c.pp, c.encoder_stages, c.sharding), c)
-    layouts = list(best_of.values())[: max(1, top)]
-    lead = layouts[0]
-    siblings = [
-        c
-        for c in cands
-        if (c.tp, c.pp, c.encoder_stages) == (lead.tp, lead.pp, lead.encoder_stages)
-        and c is not lead
-    ][:1]
     chosen: list[Candidate] = []
-    for c in layouts + siblings + [cands[-1]]:
-        if all(c is not x for x in chosen):
-            chosen.append(c)
+    for pool in ([c for c in cands if c.sharding == "optimizer"], cands):
+        if not pool:
+            continue
+        best_of: dict[tuple[int, int, int], Candidate] = {}
+        for c in pool:
+            best_of.setdefault((c.tp, c.pp, c.encoder_stages), c)
+        layouts = list(best_of.values())[: max(1, top)]
+        lead = layouts[0]
+        siblings = [
+            c
+            for c in pool
+            if (c.tp, c.pp, c.encoder_stages) == (lead.tp, lead.pp, lead.encoder_stages)
+            and c is not lead
+        ][:1]
+        for c in layouts + siblings:
+            if all(c is not x for x in chosen):
+                chosen.append(c)
+    if all(cands[-1] is not x for x in chosen):
+        chosen.append(cands[-1])
     return chosen
 
 
