@@ -96,6 +96,54 @@ def test_service_calls_equal_the_all_reduce_fallback() -> None:
         assert all(j in calls[k] for j, calls in enumerate(fallback) for k in calls)
 
 
+def test_service_meta_calls_equal_across_replicas_and_keep_the_gradient() -> None:
+    """One process plays both replicas with the service's ``mb.meta["encoder_calls"]``: every
+    replica makes the same encoder calls in every microbatch (counted), and the pads leave the
+    gradient of the unbalanced run (fp32, the suite's 2e-5)."""
+    import numpy as np
+
+    from entrain_data.assignment import assign
+    from entrain_data.encoder_calls import ENCODER_CALLS_KEY, encoder_calls
+
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    seen: list[str] = []
+    for kind in ("vision", "audio"):
+        getattr(model, kind).register_forward_hook(lambda *_, kind=kind: seen.append(kind))
+    for it, batch in enumerate(global_batches(STEPS)):
+        enc = np.array([s.encoder_tokens**1.5 for s in batch], dtype=float)
+        llm = np.array([s.llm_tokens for s in batch], dtype=float)
+        tok = np.array([s.llm_tokens for s in batch], dtype=np.int64)
+        a = assign(
+            enc, llm, tok, dp=2, microbatches=MICROBATCHES, defer_budget=10_000, seed=0,
+            iteration=it,
+        )  # fmt: skip
+        uses = {
+            "vision": np.array([s.grids.shape[0] > 0 for s in batch]),
+            "audio": np.array([s.audio_lengths.numel() > 0 for s in batch]),
+        }
+        calls = encoder_calls(a, uses)
+        reps = replica_microbatches(batch, it, 2, MICROBATCHES)
+        count = sum(int((mb["labels"] != -100).sum()) for rep in reps for mb in rep)
+        per_replica = []
+        for rep in reps:
+            buffer = EncoderOutputBuffer()
+            buffer.expect(rep)
+            order = []
+            for j, mb in enumerate(rep):
+                mb.meta[ENCODER_CALLS_KEY] = calls[j]
+                seen.clear()
+                loss_sum, _ = model(mb, buffer)
+                (loss_sum / count).backward()
+                order.append(list(seen))
+            buffer.check_drained(it)
+            per_replica.append(order)
+        assert per_replica[0] == per_replica[1], per_replica
+        opt.step()
+        opt.zero_grad()
+    assert_params_close(model.state_dict(), reference_params(global_batches(STEPS)))
+
+
 # ------------------------------------------------------------------ FSDP2 per block
 def _fsdp_run(rank: int, world: int, mesh: object, run: tuple[bool, str, bool]) -> dict:
     """``run``: (bf16, plan sharding, recompute); the model wrapped by ``wrap_from_plan``."""
