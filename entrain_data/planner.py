@@ -376,8 +376,8 @@ def _candidates(
                             stages, t, d, mm, cluster, model, mean_tokens, params, rc, sh
                         )
                         cands.append(Candidate(t, p, d, mm, stages, mem, at, rc, k, sh))
-    # equal times: the layout that needs less memory (e.g. "optimizer" before "none")
-    cands.sort(key=lambda c: (c.analytic_time, max(c.memory_gb)))
+    # equal times: the distributed optimizer (what plans assumed before), then less memory
+    cands.sort(key=lambda c: (c.analytic_time, c.sharding != "optimizer", max(c.memory_gb)))
     return cands, smallest_need
 
 
