@@ -24,14 +24,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..batch import Microbatch
+from ..encoder_calls import ENCODER_CALLS_KEY, calls_from_groups
 from ..errors import InvalidInput
+from ..plan import ParallelPlan
 
 __all__ = [
     "LOSS_MODES",
@@ -42,6 +43,8 @@ __all__ = [
     "EncoderOutputBuffer",
     "group_iterations",
     "require_world",
+    "local_call_groups",
+    "resolve_encoder_calls",
 ]
 
 log = logging.getLogger(__name__)
@@ -115,7 +118,7 @@ def global_loss_count(
     return local
 
 
-def require_world(plan: Any, who: str) -> None:
+def require_world(plan: ParallelPlan, who: str) -> None:
     """Refuse to lay out ``plan`` unless torch.distributed runs exactly ``plan.world_size`` ranks:
     every adapter maps global ranks through ``plan.rank_coords``, which assumes that world."""
     if not dist.is_initialized():
@@ -159,6 +162,7 @@ class EncoderOutputBuffer:
         self._tokens = 0
         self.peak_tokens = 0
         self._consumer: dict[tuple[int, str], int] = {}
+        self._pads: dict[tuple[int, int], list[torch.Tensor]] = {}
 
     def expect(self, microbatches: Iterable[Microbatch]) -> None:
         """Learn, from one iteration's microbatches, which microbatch consumes each deferred sample.
@@ -225,10 +229,27 @@ class EncoderOutputBuffer:
         self._tokens -= int(output.shape[0]) if output.dim() else 1
         return output
 
+    def put_pad(self, consumer: int, output: torch.Tensor, iteration: int = 0) -> None:
+        """Hold a pad call's output (see :mod:`entrain_data.encoder_calls`) until microbatch
+        ``consumer`` adds it to its loss times zero, so the pad's backward runs with that
+        microbatch's, as a real deferred group's would. Not counted against the budget."""
+        self._pads.setdefault((iteration, consumer), []).append(output)
+
+    def pop_pads(self, consumer: int, iteration: int = 0) -> list[torch.Tensor]:
+        """The pad outputs bound for microbatch ``consumer`` (empty when none)."""
+        return self._pads.pop((iteration, consumer), [])
+
     def check_drained(self, iteration: int | None = None) -> None:
         """Raise when an iteration ends with samples encoded but never consumed."""
         if iteration is not None:
             self._consumer = {k: v for k, v in self._consumer.items() if k[0] > iteration}
+        if self._pads:
+            left_pads = sorted(self._pads)
+            self._pads.clear()
+            raise InvalidInput(
+                f"encoder-output buffer: iteration {iteration} ended with pad calls bound for "
+                f"(iteration, microbatch) {left_pads} never consumed"
+            )
         if self._items:
             left = ", ".join(sorted(self._items)[:5])
             raise InvalidInput(
@@ -238,6 +259,7 @@ class EncoderOutputBuffer:
 
     def clear(self) -> None:
         self._items.clear()
+        self._pads.clear()
         self._consumer.clear()
         self._tokens = 0
 
@@ -252,3 +274,69 @@ def group_iterations(microbatches: Iterable[Microbatch]) -> Iterator[list[Microb
         current.append(mb)
     if current:
         yield current
+
+
+# -------------------------------------------------- group-wide encoder calls (sharding)
+ENCODER_OWNERS = {"vision": "image_sample", "audio": "audio_sample"}
+"""Per encoder name, the ``batch.py`` tensor naming each item's owner in ``encoder_keys``."""
+
+
+def local_call_groups(microbatches: Sequence[Microbatch], names: Sequence[str]) -> torch.Tensor:
+    """This replica's encoder call groups of one iteration: ``[M, M, E]`` uint8, ``[j, c, e]``
+    set when microbatch j encodes, for consumer c, samples with items for encoder ``names[e]``."""
+    m = len(microbatches)
+    consumer = {key: c for c, mb in enumerate(microbatches) for key in mb.llm_keys}
+    groups = torch.zeros(m, m, len(names), dtype=torch.uint8)
+    for j, mb in enumerate(microbatches):
+        for e, name in enumerate(names):
+            owner = ENCODER_OWNERS.get(name)
+            if owner is None:
+                raise InvalidInput(f"encoder calls: unknown encoder {name!r}")
+            if owner not in mb:
+                continue
+            for o in set(mb[owner].tolist()):
+                key = mb.encoder_keys[o]
+                c = consumer.get(key)
+                if c is None or c < j:
+                    raise InvalidInput(
+                        f"sample {key!r} encoded in microbatch {j} of iteration {mb.iteration} "
+                        "is consumed by no later microbatch of it"
+                    )
+                groups[j, c, e] = 1
+    return groups
+
+
+def resolve_encoder_calls(
+    microbatches: Sequence[Microbatch],
+    names: Sequence[str] = ("vision", "audio"),
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | str = "cpu",
+) -> list[Microbatch]:
+    """The microbatches, each with ``meta[ENCODER_CALLS_KEY]`` set: the loader service's value
+    when every microbatch has one, else the union over ``group`` (the data-parallel group) of
+    every replica's call groups, from one max all-reduce of ``M * M * E`` bytes."""
+    if all(ENCODER_CALLS_KEY in mb.meta for mb in microbatches):
+        return list(microbatches)
+    groups = local_call_groups(microbatches, names)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        t = groups.to(device=device, dtype=torch.int32)  # gloo has no uint8 MAX on every build
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        groups = t.cpu()
+    calls = calls_from_groups(groups.numpy().astype(bool), list(names))
+    out = []
+    for j, mb in enumerate(microbatches):
+        meta = dict(mb.meta)
+        meta[ENCODER_CALLS_KEY] = calls[j]
+        out.append(
+            Microbatch(
+                mb.epoch,
+                mb.iteration,
+                mb.microbatch,
+                mb.replica,
+                mb.encoder_keys,
+                mb.llm_keys,
+                mb.tensors,
+                meta,
+            )  # fmt: skip
+        )
+    return out

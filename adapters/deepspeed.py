@@ -57,7 +57,14 @@ from torch import nn
 
 from ..batch import Microbatch
 from ..errors import InvalidInput, PlanError
-from .common import EncoderOutputBuffer, global_loss_count, loss_scale, loss_sums
+from ..plan import ParallelPlan
+from .common import (
+    EncoderOutputBuffer,
+    global_loss_count,
+    loss_scale,
+    loss_sums,
+    resolve_encoder_calls,
+)
 from .reference_model import ReferenceMLLM, packed_causal_mask
 
 __all__ = [
@@ -82,39 +89,29 @@ def avoid_cpu_op_builds() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-def _stage_layers(plan: Any) -> list[tuple[int, int]]:
-    """LLM layer range of every pipeline stage (encoder segments ride on their stage)."""
-    ranges = []
-    for stage in plan.stages:
-        llm = [s for s in stage.segments if s.encoder_index is None]
-        if llm:
-            ranges.append((llm[0].layer_start, llm[-1].layer_end))
-        else:
-            ranges.append(None)
-    if any(r is None for r in ranges):
-        raise PlanError(
-            "deepspeed adapter: a pipeline stage holds no LLM layers; DeepSpeed's PipelineModule "
-            "is one layer sequence, so place the encoders on the first LLM stage (plan a "
-            "'mixed' first stage) or use the Megatron adapter"
-        )
-    return ranges
-
-
-def pipeline_parts(plan: Any, first_extra: int = 1, last_extra: int = 1) -> list[int]:
+def pipeline_parts(plan: ParallelPlan, first_extra: int = 1, last_extra: int = 1) -> list[int]:
     """PipelineModule ``parts`` (stage boundaries in its layer list) from the plan's layer ranges.
 
     The layer list is ``first_extra`` input layers (encoders + embedding), the
     LLM blocks, then ``last_extra`` output layers (norm + head).
     """
-    ranges = _stage_layers(plan)
-    if ranges[0][0] != 0 or any(a[1] != b[0] for a, b in zip(ranges, ranges[1:])):
-        raise PlanError(f"deepspeed adapter: stage layer ranges {ranges} are not contiguous")
+    ranges = plan.llm_layer_ranges(
+        "deepspeed adapter",
+        hint="DeepSpeed's PipelineModule is one layer sequence, so place the encoders on the "
+        "first LLM stage (plan a 'mixed' first stage) or use the Megatron adapter",
+    )
     parts = [0] + [first_extra + end for _, end in ranges]
     parts[-1] += last_extra
     return parts
 
 
-def deepspeed_config(plan: Any, user_config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+ZERO_STAGE = {"none": 0, "optimizer": 1, "gradients": 2, "full": 3}
+"""ZeRO stage of each ``ParallelPlan.sharding``."""
+
+
+def deepspeed_config(
+    plan: ParallelPlan, user_config: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """The user's DeepSpeed config with the plan's batch geometry merged in.
 
     ``gradient_accumulation_steps`` = microbatches per replica per iteration;
@@ -122,8 +119,26 @@ def deepspeed_config(plan: Any, user_config: Mapping[str, Any] | None = None) ->
     nominal figure: balanced microbatches vary in size, DeepSpeed only uses it
     for bookkeeping); ``train_batch_size`` consistent with both and ``dp``.
     Conflicting user values are an error naming the key.
+
+    ``zero_optimization.stage`` from ``plan.sharding`` (none 0, optimizer 1,
+    gradients 2, full 3) unless the user config sets one; a different stage is
+    kept, with a warning, since the plan's memory estimate assumed its own.
+    Activation recomputation (``plan.stages[i].recompute``) is the model's to
+    apply (``deepspeed.checkpointing.checkpoint`` around its blocks).
     """
     cfg = copy.deepcopy(dict(user_config or {}))
+    zero = dict(cfg.get("zero_optimization") or {})
+    stage = ZERO_STAGE[plan.sharding]
+    if "stage" in zero and zero["stage"] != stage:
+        log.warning(
+            "deepspeed config: zero_optimization.stage=%s, the plan's sharding %r is stage %d "
+            "(its memory estimate assumed that)",
+            zero["stage"],
+            plan.sharding,
+            stage,
+        )
+    zero.setdefault("stage", stage)
+    cfg["zero_optimization"] = zero
     micro = max(1, plan.global_batch // (plan.dp * plan.microbatches))
     wanted = {
         "gradient_accumulation_steps": plan.microbatches,
@@ -148,7 +163,7 @@ class PlannedPipelineModule:
     importing this module does not import DeepSpeed.
     """
 
-    def __new__(cls, layers: Sequence[nn.Module], *, plan: Any, **kwargs: Any) -> Any:
+    def __new__(cls, layers: Sequence[nn.Module], *, plan: ParallelPlan, **kwargs: Any) -> Any:
         from deepspeed.pipe import PipelineModule
 
         parts = pipeline_parts(plan)
@@ -222,10 +237,14 @@ def train_step(
     *,
     mode: str = "token",
     buffer: EncoderOutputBuffer | None = None,
+    uniform_encoder_calls: bool | None = None,
 ) -> float:
     """One iteration on a plain DeepSpeed engine (ZeRO 0-3); returns the global-batch mean loss.
 
     ``forward(engine, mb, buffer)`` defaults to ``engine(mb, buffer, mode=mode)``.
+    ``uniform_encoder_calls`` (None: under ZeRO-3, which all-gathers a module's
+    parameters at every call): every rank calls each encoder the group-wide
+    number of times per microbatch (:mod:`entrain_data.encoder_calls`).
 
     ZeRO 1-3: all microbatches inside ``engine.coalesce_grad_reduction()``, then
     one ``step()``, so gradients are reduced once, in parameter order, whatever
@@ -247,16 +266,23 @@ def train_step(
             "hook order, which balanced microbatches make differ between ranks"
         )
     if coalesce and not hasattr(engine.optimizer, "_coalesce_grad_reduction"):
-        # runtime/engine.py:3262: BF16_Optimizer / FP16_Optimizer wrappers (e.g. bf16 with
-        # ZeRO-1 and an fp32 grad_accum_dtype) bypass the hooks the coalesced flush needs
+        # runtime/engine.py:3262: BF16_Optimizer / FP16_Optimizer wrappers (DeepSpeed picks
+        # BF16_Optimizer for bf16 with ZeRO-1 and an fp32 grad_accum_dtype, engine.py:2305)
+        # bypass the hooks the coalesced flush needs
         raise InvalidInput(
             "deepspeed train_step: the engine's optimizer wrapper "
-            f"{type(engine.optimizer).__name__} cannot coalesce the ZeRO gradient reduction; "
-            "use ZeRO stage 2, or a config whose optimizer is DeepSpeedZeroOptimizer"
+            f"{type(engine.optimizer).__name__} cannot coalesce the ZeRO gradient reduction "
+            "(bf16 with ZeRO-1 and data_types.grad_accum_dtype=fp32 gives BF16_Optimizer); "
+            "use ZeRO stage 2 or 3 (fp32 accumulation of the partition), or ZeRO-1 with "
+            'grad_accum_dtype "bf16"'
         )
     buffer = buffer if buffer is not None else EncoderOutputBuffer()
     buffer.expect(microbatches)  # deferred samples bound for one microbatch share an encoder call
     group = _dp_group(engine)
+    if uniform_encoder_calls is None:
+        uniform_encoder_calls = engine.zero_optimization_stage() == 3
+    if uniform_encoder_calls:
+        microbatches = resolve_encoder_calls(microbatches, group=group, device=engine.device)
     dp = engine.dp_world_size
     count = global_loss_count(microbatches, mode, group, engine.device)
     scale = loss_scale(count, dp=dp, accumulation=gas)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -32,8 +31,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..batch import Microbatch
+from ..encoder_calls import ENCODER_CALLS_KEY
 from ..errors import InvalidInput
+from ..plan import ParallelPlan
 from .common import EncoderOutputBuffer, loss_sums
+from .encoding import ENCODER_TENSORS, ENCODERS, encode_into_buffer, encode_uniform
 
 __all__ = [
     "IMAGE_TOKEN_ID",
@@ -44,7 +46,6 @@ __all__ = [
     "synthetic_samples",
     "pack_microbatch",
     "packed_causal_mask",
-    "encode_into_buffer",
     "synthetic_stream",
 ]
 
@@ -159,6 +160,7 @@ class _Encoder(nn.Module):
         self.projector = nn.Linear(hidden, out_dim)
 
     def forward(self, x: torch.Tensor, item_lengths: Sequence[int]) -> torch.Tensor:
+        x = x.to(self.embed.weight.dtype)  # bf16 runs: features arrive in fp32
         return self.projector(self.block(self.embed(x), Segments(item_lengths, causal=False)))
 
 
@@ -189,27 +191,42 @@ class ReferenceMLLM(nn.Module):
         their own, so their encoder backward runs alone when their gradient arrives.
         """
         keys = list(mb.encoder_keys if keys is None else keys)
+        parts: dict[str, list[torch.Tensor]] = {k: [] for k in keys}
+        for kind in ENCODERS:
+            for key, out in self.encode_kind(mb, kind, keys).items():
+                parts[key].append(out)
+        empty = self.tok_embed.weight.new_zeros(0, self.config.hidden)
+        return {k: torch.cat(v) if v else empty for k, v in parts.items()}
+
+    def encode_kind(
+        self, mb: Microbatch, kind: str, keys: Sequence[str]
+    ) -> dict[str, torch.Tensor]:
+        """One call of encoder ``kind`` on the items of ``keys``: ``{key: [rows, hidden]}`` for the
+        keys that have such items (nothing, and no call, when none has)."""
+        enc = getattr(self, kind)
+        feats, sizes, owner = ENCODER_TENSORS[kind]
+        if feats not in mb:
+            return {}
         pos = {k: i for i, k in enumerate(mb.encoder_keys)}
         wanted = {pos[k] for k in keys}
-        parts: dict[int, list[torch.Tensor]] = {pos[k]: [] for k in keys}
-        for kind, enc, feats, sizes, owner in (
-            ("vision", self.vision, "pixel_values", "image_grid_thw", "image_sample"),
-            ("audio", self.audio, "audio_features", "audio_lengths", "audio_sample"),
-        ):
-            if feats not in mb:
-                continue
-            lengths = (mb[sizes].prod(dim=1) if kind == "vision" else mb[sizes]).tolist()
-            owners = mb[owner].tolist()
-            starts = np.concatenate([[0], np.cumsum(lengths)]).astype(int)
-            sel = [i for i, o in enumerate(owners) if o in wanted]
-            if not sel:
-                continue
-            x = torch.cat([mb[feats][starts[i] : starts[i + 1]] for i in sel])
-            out = enc(x, [lengths[i] for i in sel]).split([lengths[i] for i in sel])
-            for i, o in zip(sel, out):
-                parts[owners[i]].append(o)
-        empty = self.tok_embed.weight.new_zeros(0, self.config.hidden)
-        return {mb.encoder_keys[p]: torch.cat(v) if v else empty for p, v in parts.items()}
+        lengths = (mb[sizes].prod(dim=1) if kind == "vision" else mb[sizes]).tolist()
+        owners = mb[owner].tolist()
+        starts = np.concatenate([[0], np.cumsum(lengths)]).astype(int)
+        sel = [i for i, o in enumerate(owners) if o in wanted]
+        if not sel:
+            return {}
+        x = torch.cat([mb[feats][starts[i] : starts[i + 1]] for i in sel])
+        out = enc(x, [lengths[i] for i in sel]).split([lengths[i] for i in sel])
+        parts: dict[str, list[torch.Tensor]] = {}
+        for i, o in zip(sel, out):
+            parts.setdefault(mb.encoder_keys[owners[i]], []).append(o)
+        return {k: torch.cat(v) for k, v in parts.items()}
+
+    def pad_call(self, kind: str, device: torch.device) -> torch.Tensor:
+        """A call of encoder ``kind`` on one zero row: same collectives as a real call under
+        sharded data parallelism; its output enters the loss times zero (no gradient)."""
+        enc = getattr(self, kind)
+        return enc(torch.zeros(1, enc.embed.in_features, device=device), [1])
 
     def dummy_touch(self) -> torch.Tensor:
         """Zero that depends on every encoder parameter: keeps DDP/ZeRO hooks firing in
@@ -265,8 +282,14 @@ class ReferenceMLLM(nn.Module):
         """``[T, hidden]`` LLM input of ``mb``: its encoder set encoded (deferred outputs parked
         in ``buffer``, earlier ones taken from it) and scattered into the token embeddings.
         The first pipeline stage of every adapter runs exactly this."""
-        encoded = encode_into_buffer(self, mb, buffer)
-        return self.embed(mb, encoded) + self.dummy_touch()
+        calls = mb.meta.get(ENCODER_CALLS_KEY)
+        if calls is None:
+            encoded = encode_into_buffer(self, mb, buffer)
+            return self.embed(mb, encoded) + self.dummy_touch()
+        # group-wide calls (sharded data parallelism): pads replace the dummy touch, which
+        # would read parameters that ZeRO-3 / FSDP2 hold sharded outside a module's forward
+        encoded, pads = encode_uniform(self, mb, buffer, calls)
+        return self.embed(mb, encoded) + sum(p.sum() for p in pads) * 0.0
 
     def forward(
         self, mb: Microbatch, buffer: EncoderOutputBuffer | None = None, mode: str = "token"
@@ -277,30 +300,6 @@ class ReferenceMLLM(nn.Module):
         for layer in self.layers:
             x = layer(x, mask)
         return self.head_loss(x, mb, mode)
-
-
-def encode_into_buffer(
-    model: ReferenceMLLM, mb: Microbatch, buffer: EncoderOutputBuffer
-) -> dict[str, torch.Tensor]:
-    """Encode ``mb``'s encoder set; park deferred outputs in ``buffer``; return the LLM set's outputs.
-
-    Samples consumed here share one encoder graph; deferred samples share one
-    per consuming microbatch (when ``buffer.expect`` announced it, else one
-    each), so every graph's backward runs exactly once, with its consumer's.
-    """
-    out_keys = set(mb.deferred_out)
-    here = [k for k in mb.encoder_keys if k not in out_keys]
-    encoded = model.encode(mb, here) if here else {}
-    groups: dict[object, list[str]] = {}
-    for key in mb.deferred_out:
-        target = buffer.consumer(key, mb.iteration)
-        groups.setdefault(key if target is None else target, []).append(key)
-    for keys in groups.values():
-        for key, out in model.encode(mb, keys).items():
-            buffer.put(key, out, iteration=mb.iteration)
-    for key in mb.deferred_in:
-        encoded[key] = buffer.pop(key, iteration=mb.iteration)
-    return encoded
 
 
 # ------------------------------------------------------ synthetic data (tests, examples)
@@ -417,7 +416,11 @@ def pack_microbatch(
 
 
 def synthetic_stream(
-    plan: Any, replica: int, steps: int, samples_per_batch: int | None = None, seed: int = 0
+    plan: ParallelPlan,
+    replica: int,
+    steps: int,
+    samples_per_batch: int | None = None,
+    seed: int = 0,
 ) -> Iterator[Microbatch]:
     """Replica ``replica``'s microbatches for ``steps`` iterations of synthetic global batches,
     assigned by Entrain's ``assign()`` as the loader service would (examples, smoke tests)."""

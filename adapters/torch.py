@@ -47,12 +47,14 @@ from torch import nn
 
 from ..batch import Microbatch
 from ..errors import InvalidInput, PlanError
+from ..plan import ParallelPlan
 from .common import (
     EncoderOutputBuffer,
     global_loss_count,
     loss_scale,
     loss_sums,
     require_world,
+    resolve_encoder_calls,
 )
 from .reference_model import ReferenceMLLM, Segments
 
@@ -60,6 +62,7 @@ __all__ = [
     "device_mesh_from_plan",
     "StepResult",
     "accumulate_gradients",
+    "fsdp_per_module",
     "ForwardFn",
     "StageLayers",
     "stage_layers_from_plan",
@@ -78,7 +81,7 @@ ForwardFn = Callable[
 default ``model(mb, buffer, mode=mode)`` (the reference model's signature)."""
 
 
-def device_mesh_from_plan(plan: Any, device_type: str = "cpu") -> Any:
+def device_mesh_from_plan(plan: ParallelPlan, device_type: str = "cpu") -> Any:
     """A 3-D ``DeviceMesh`` named ``("pp", "dp", "tp")`` laid out as the plan's ``rank_coords``
     (tensor-parallel fastest, then data-parallel, then pipeline: Megatron's order)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -108,6 +111,13 @@ def _sync_context(model: nn.Module, sync: bool) -> contextlib.AbstractContextMan
     return contextlib.nullcontext()
 
 
+def fsdp_per_module(model: nn.Module) -> bool:
+    """True when FSDP2 ``fully_shard`` wraps a submodule of ``model`` (not only the root)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules() if m is not model)
+
+
 def accumulate_gradients(
     model: nn.Module,
     microbatches: Sequence[Microbatch],
@@ -117,16 +127,24 @@ def accumulate_gradients(
     dp_group: dist.ProcessGroup | None = None,
     buffer: EncoderOutputBuffer | None = None,
     device: torch.device | str = "cpu",
+    uniform_encoder_calls: bool | None = None,
 ) -> StepResult:
     """Forward and backward every microbatch of one iteration; gradients end DP-synchronised.
 
     ``microbatches``: this rank's microbatches of one iteration, in order
     (deferred samples are encoded before they are consumed). ``dp_group``: the
     data-parallel group the wrapper averages over (None: the default group).
-    The optimizer step is the caller's.
+    ``uniform_encoder_calls``: make every rank call each encoder the same
+    group-wide number of times per microbatch (:mod:`entrain_data.encoder_calls`);
+    None: when FSDP2 shards a submodule on its own (per-block wrapping), which
+    all-gathers at every call. The optimizer step is the caller's.
     """
     if not microbatches:
         raise InvalidInput("accumulate_gradients: no microbatches given for this iteration")
+    if uniform_encoder_calls is None:
+        uniform_encoder_calls = fsdp_per_module(model)
+    if uniform_encoder_calls:
+        microbatches = resolve_encoder_calls(microbatches, group=dp_group, device=device)
     if forward is None:
 
         def forward(model: nn.Module, mb: Microbatch, buffer: EncoderOutputBuffer) -> Any:
@@ -177,40 +195,24 @@ class StageLayers:
         return self.stage == self.num_stages - 1
 
 
-def stage_layers_from_plan(plan: Any, stage: int) -> StageLayers:
+def stage_layers_from_plan(plan: ParallelPlan, stage: int) -> StageLayers:
     """Stage ``stage``'s LLM layer range from the plan.
 
     The encoders ride on the first stage: the embedding needs their outputs, and
     deferred samples' outputs wait in a buffer where the encoders run. A stage
-    without LLM layers, encoders elsewhere or non-contiguous ranges are refused.
+    without LLM layers, encoders elsewhere or non-contiguous ranges are refused
+    (:meth:`ParallelPlan.llm_layer_ranges`).
     """
     if len(plan.stages) != plan.pp or not 0 <= stage < plan.pp:
         raise PlanError(
             f"torch pipelining: stage {stage} of a plan with pp={plan.pp} "
             f"and {len(plan.stages)} stages"
         )
-    ranges = []
-    for st in plan.stages:
-        llm = [s for s in st.segments if s.encoder_index is None]
-        if not llm:
-            raise PlanError(
-                f"torch pipelining: stage {st.index} holds no LLM layers; the reference stages "
-                "carry the encoders on the first LLM stage (plan a 'mixed' first stage)"
-            )
-        if st.index != 0 and len(llm) != len(st.segments):
-            raise PlanError(
-                f"torch pipelining: stage {st.index} holds encoder layers; they must ride on "
-                "stage 0, where the embedding consumes their outputs"
-            )
-        ranges.append((llm[0].layer_start, llm[-1].layer_end))
-    for i, ((_, end), (start, _)) in enumerate(zip(ranges, ranges[1:])):
-        if start != end:
-            raise PlanError(
-                f"torch pipelining: stage layer ranges {ranges} are not contiguous "
-                f"(stage {i} ends at {end}, stage {i + 1} starts at {start})"
-            )
-    if ranges[0][0] != 0:
-        raise PlanError(f"torch pipelining: the first stage starts at LLM layer {ranges[0][0]}")
+    ranges = plan.llm_layer_ranges(
+        "torch pipelining",
+        hint="the reference stages carry the encoders on the first LLM stage "
+        "(plan a 'mixed' first stage)",
+    )
     return StageLayers(stage, plan.pp, *ranges[stage])
 
 
@@ -329,7 +331,7 @@ class PipelineTrainer:
     def __init__(
         self,
         model: ReferenceMLLM,
-        plan: Any,
+        plan: ParallelPlan,
         mesh: Any | None = None,
         *,
         stage: int | None = None,

@@ -10,8 +10,16 @@ For every named synthetic workload, a few cluster sizes and global batches
   another tp, pp or encoder/LLM stage split (a plausible wrong static choice);
 - ``worst_static_gap``: the throughput lost by the worst simulated feasible
   static layout against the chosen one (the paper: up to 85%);
-- the chosen layout, expected iteration time against its balanced ideal, and
-  the wall time of planning on this machine.
+- the chosen layout with its data-parallel sharding and recomputed stages,
+  expected iteration time against its balanced ideal, and the wall time of
+  planning on this machine;
+- ``without_new``: the expected iteration time of the plan made without the
+  sharding and per-stage recomputation options (only the distributed
+  optimizer, every stage recomputing when one does not fit: the planner before
+  them), on the same profiled batches; ``gain`` = 1 - with / without. Both
+  are the simulator's expectation; the options can only add candidates, so the
+  plan with them is never slower by construction of the search, up to the
+  simulation screen (checked per row).
 
 Usage: ``python bench/plan.py [--quick] [--batches 8] [--out bench/results/plan.json]``.
 Prints a table and writes JSON (one record per run).
@@ -58,6 +66,10 @@ def run(setups, batches: int, samples: int, seed: int) -> list[dict]:
                 table, model, Cluster(gpus), gb, batches=batches, seed=seed, costs=costs
             )
             seconds = time.perf_counter() - t0
+            old = make_plan(
+                table, model, Cluster(gpus), gb, batches=batches, seed=seed, costs=costs,
+                shardings=("optimizer",), recompute="all",
+            )  # fmt: skip
             rows.append(
                 {
                     "workload": name,
@@ -69,6 +81,20 @@ def run(setups, batches: int, samples: int, seed: int) -> list[dict]:
                     "pp": plan.pp,
                     "microbatches": plan.microbatches,
                     "stages": [s.module for s in plan.stages],
+                    "sharding": plan.sharding,
+                    "recompute_stages": [s.index for s in plan.stages if s.recompute],
+                    "memory_gb": max(plan.memory_gb),
+                    "without_new": {
+                        "dp": old.dp,
+                        "tp": old.tp,
+                        "pp": old.pp,
+                        "microbatches": old.microbatches,
+                        "sharding": old.sharding,
+                        "recompute_stages": [s.index for s in old.stages if s.recompute],
+                        "expected_iteration_time": old.expected_iteration_time,
+                        "memory_gb": max(old.memory_gb),
+                    },
+                    "gain": 1.0 - plan.expected_iteration_time / old.expected_iteration_time,
                     "expected_iteration_time": plan.expected_iteration_time,
                     "ideal_iteration_time": plan.ideal_iteration_time,
                     "oracle_iteration_time": plan.search["oracle_iteration_time"],
@@ -97,16 +123,20 @@ def _next_layout_gap(plan) -> float | None:
 
 def format_table(rows: list[dict]) -> str:
     head = (
-        f"{'workload':<18} {'GPUs':>5} {'B':>5}  {'dp/tp/pp x M':<16} {'iter s':>8} "
+        f"{'workload':<18} {'GPUs':>5} {'B':>5}  {'dp/tp/pp x M':<16} {'shard':<9} {'rc':<5} "
+        f"{'iter s':>8} {'w/o new':>8} {'gain':>6} "
         f"{'ideal s':>8} {'oracle gap':>10} {'next loss':>9} {'worst loss':>10} {'layouts':>8} "
         f"{'plan s':>7}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         layout = f"{r['dp']}/{r['tp']}/{r['pp']} x {r['microbatches']}"
+        rc = ",".join(map(str, r["recompute_stages"])) or "-"
         lines.append(
             f"{r['workload']:<18} {r['gpus']:>5} {r['global_batch']:>5}  {layout:<16} "
-            f"{r['expected_iteration_time']:>8.3f} {r['ideal_iteration_time']:>8.3f} "
+            f"{r['sharding']:<9} {rc:<5} {r['expected_iteration_time']:>8.3f} "
+            f"{r['without_new']['expected_iteration_time']:>8.3f} {100 * r['gain']:>5.1f}% "
+            f"{r['ideal_iteration_time']:>8.3f} "
             f"{100 * r['oracle_gap']:>9.2f}% {_pct(r['next_layout_gap']):>9} "
             f"{100 * r['worst_static_gap']:>9.1f}% "
             f"{r['feasible_layouts']:>8} {r['plan_seconds']:>7.2f}"
@@ -115,7 +145,8 @@ def format_table(rows: list[dict]) -> str:
     lines.append(
         f"largest static-vs-oracle gap {100 * worst_gap:.2f}% (target <= 2%); "
         f"largest loss of the worst feasible static plan "
-        f"{100 * max(r['worst_static_gap'] for r in rows):.1f}%"
+        f"{100 * max(r['worst_static_gap'] for r in rows):.1f}%; sharding/recompute options: "
+        f"gain {100 * min(r['gain'] for r in rows):.1f}% to {100 * max(r['gain'] for r in rows):.1f}%"
     )
     return "\n".join(lines)
 

@@ -24,9 +24,15 @@ __all__ = [
     "StagePlan",
     "RankCoords",
     "ParallelPlan",
+    "SHARDING",
 ]
 
 PLAN_SCHEMA_VERSION = 1
+
+SHARDING = ("none", "optimizer", "gradients", "full")
+"""What the data-parallel group shards (``ParallelPlan.sharding``): nothing (DDP), optimizer
+state and master weights (ZeRO-1, Megatron's distributed optimizer), also gradients (ZeRO-2),
+also the weights (ZeRO-3, FSDP with every block wrapped)."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,7 @@ class StagePlan:
     index: int
     segments: tuple[StageSegment, ...]
     expected_load: float = 0.0
+    recompute: bool = False  # full activation recomputation on this stage
 
     def __post_init__(self) -> None:
         if not self.segments:
@@ -130,13 +137,19 @@ class StagePlan:
             "layers": {s.module: [s.layer_start, s.layer_end] for s in self.segments},
             "segments": [asdict(s) for s in self.segments],
             "expected_load": self.expected_load,
+            "recompute": self.recompute,
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StagePlan:
         try:
             segs = tuple(StageSegment(**s) for s in d["segments"])
-            return cls(int(d["index"]), segs, float(d.get("expected_load", 0.0)))
+            return cls(
+                int(d["index"]),
+                segs,
+                float(d.get("expected_load", 0.0)),
+                bool(d.get("recompute", False)),
+            )
         except (KeyError, TypeError) as exc:
             raise InvalidInput(f"plan: malformed stage entry ({exc})") from exc
 
@@ -176,7 +189,8 @@ class ParallelPlan:
     oracle_gap: float = 0.0
     worst_static_gap: float = 0.0
     memory_gb: tuple[float, ...] = ()
-    recompute: bool = False
+    recompute: bool = False  # any stage recomputes (see StagePlan.recompute)
+    sharding: str = "optimizer"  # one of SHARDING
     model: dict = field(default_factory=dict)
     calibration: dict | None = None
     search: dict = field(default_factory=dict)
@@ -206,6 +220,10 @@ class ParallelPlan:
         if self.global_batch < self.dp * self.microbatches:
             raise PlanError(
                 f"plan: global_batch {self.global_batch} < dp*microbatches = {self.dp * self.microbatches}"
+            )
+        if self.sharding not in SHARDING:
+            raise InvalidInput(
+                f"plan: field 'sharding' is {self.sharding!r}, choose one of {', '.join(SHARDING)}"
             )
         if self.schema_version > PLAN_SCHEMA_VERSION:
             raise InvalidInput(
@@ -268,6 +286,52 @@ class ParallelPlan:
         for i in range(n_enc):
             groups.setdefault(root(i), []).append(i)
         return sorted(groups.values())
+
+    def llm_layer_ranges(
+        self, who: str, *, encoder_stages: bool = False, hint: str = ""
+    ) -> list[tuple[int, int]]:
+        """LLM layers ``[start, end)`` of every stage that holds LLM layers, checked once for
+        every adapter: the ranges are contiguous from layer 0, encoder layers ride only on
+        the first LLM stage (where the embedding consumes their outputs), and a stage without
+        LLM layers is refused unless ``encoder_stages`` allows leading encoder-only stages
+        (Megatron's multi-module layout). ``who`` and ``hint`` go into the message."""
+        hint = f"; {hint}" if hint else ""
+        n_enc = 0
+        while encoder_stages and n_enc < len(self.stages) and self.stages[n_enc].kind == "encoder":
+            n_enc += 1
+        ranges = []
+        for i, st in enumerate(self.stages):
+            llm = [s for s in st.segments if s.encoder_index is None]
+            if i < n_enc:
+                continue
+            if not llm:
+                where = (
+                    f"is encoder-only but follows LLM stage {n_enc}"
+                    if encoder_stages
+                    else "holds no LLM layers"
+                )
+                raise PlanError(f"{who}: plan.stages[{i}] {where}{hint}")
+            riding = [s.module for s in st.segments if s.encoder_index is not None]
+            if i > n_enc and riding:
+                raise PlanError(
+                    f"{who}: plan.stages[{i}].segments hold encoder layers {riding} on LLM "
+                    f"stage {i}; only the first LLM stage ({n_enc}) may, where the embedding "
+                    "consumes their outputs"
+                )
+            ranges.append((llm[0].layer_start, llm[-1].layer_end))
+            if any(a.layer_end != b.layer_start for a, b in zip(llm, llm[1:])):
+                raise PlanError(f"{who}: plan.stages[{i}] LLM segments are not contiguous")
+        if not ranges:
+            raise PlanError(f"{who}: no stage of the plan holds LLM layers{hint}")
+        if ranges[0][0] != 0:
+            raise PlanError(f"{who}: the first LLM stage starts at layer {ranges[0][0]}, not 0")
+        for i, ((_, end), (start, _)) in enumerate(zip(ranges, ranges[1:]), start=n_enc):
+            if start != end:
+                raise PlanError(
+                    f"{who}: LLM layer ranges {ranges} are not contiguous (plan.stages[{i}] "
+                    f"ends at {end}, plan.stages[{i + 1}] starts at {start})"
+                )
+        return ranges
 
     def stage_encoder_cost(self, encoder_cost: np.ndarray) -> np.ndarray:
         """[N, E] per-encoder sample costs -> [N, G] one column per :meth:`encoder_groups` group."""

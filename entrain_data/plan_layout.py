@@ -1,9 +1,16 @@
 """Layout pieces of the static planner: the model as a chain of layer units, balanced
 stage splits, and the per-GPU memory estimate.
 
-Memory per GPU (stated so it can be checked): bf16 weights + fp32 gradients +
-fp32 Adam state and master weights sharded over dp (distributed optimizer:
-6 + 12/dp bytes per trainable parameter; frozen weights 2 bytes), all over tp;
+Memory per GPU (stated so it can be checked): bf16 weights (2 bytes per
+trainable parameter), fp32 gradients (4) and fp32 Adam state with master
+weights (12), all over tp, and what the plan's ``sharding`` divides by dp
+(:data:`SHARDED_BYTES`): ``none`` 18, ``optimizer`` (ZeRO-1, Megatron's
+distributed optimizer) 6 + 12/dp, ``gradients`` (ZeRO-2) the same, because
+the adapters hold each rank's whole gradient until the step (balanced
+microbatches reduce once per iteration, coalesced), ``full`` (ZeRO-3, FSDP per
+block) (2 + 12)/dp + 2 (bf16 gradients accumulate unsharded between
+microbatches) plus two of the stage's layers gathered at once (the one
+computing and the one prefetched); frozen weights 2 bytes, 2/dp under ``full``;
 plus activations of the microbatches in flight on stage s
 (1F1B: min(M, S - s) of them; GPipe: all M) at the token cap, 34 * hidden / tp bytes per token and
 layer (Korthikanti et al. 2022, with flash attention); plus the deferral buffer
@@ -16,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from .cost_model import SampleCosts
-from .plan import StagePlan, StageSegment
+from .plan import SHARDING, StagePlan, StageSegment
 from .presets import ModelSpec
 
 __all__ = [
@@ -26,9 +33,27 @@ __all__ = [
     "stages_for",
     "stage_params",
     "memory_gb",
+    "SHARDED_BYTES",
+    "weight_bytes",
 ]
 
 ACT_BYTES_PER_TOKEN_LAYER = 34.0  # x hidden / tp
+
+SHARDED_BYTES = {
+    "none": (18.0, 0.0),
+    "optimizer": (6.0, 12.0),
+    "gradients": (6.0, 12.0),
+    "full": (2.0, 14.0),
+}
+"""Per trainable parameter: (bytes every rank holds, bytes divided by dp) for each sharding."""
+
+
+def weight_bytes(train: float, frozen: float, dp: int, sharding: str) -> float:
+    """Bytes of weights, gradients and optimizer state per GPU (before tp) for one stage."""
+    if sharding not in SHARDING:
+        raise ValueError(f"sharding {sharding!r}: one of {SHARDING}")
+    whole, split = SHARDED_BYTES[sharding]
+    return train * (whole + split / dp) + frozen * (2.0 / dp if sharding == "full" else 2.0)
 
 
 def layer_units(model: ModelSpec, costs: SampleCosts, batches: np.ndarray):
@@ -154,8 +179,10 @@ def memory_gb(
     recompute=False,
     params=None,
     schedule="1f1b",
+    sharding="optimizer",
 ) -> tuple[float, ...]:
-    """GB per GPU of every stage (see the module docstring); ``params``: stage_params per stage.
+    """GB per GPU of every stage (see the module docstring); ``params``: stage_params per stage;
+    ``recompute``: one flag for every stage, or one per stage.
 
     GPipe keeps the activations of all M microbatches on every stage; 1F1B at
     most S - s on stage s.
@@ -166,9 +193,14 @@ def memory_gb(
     receives_encoder_output = next(
         (i for i, st in enumerate(stages) if any(s.encoder_index is None for s in st.segments)), 0
     )
+    flags = [bool(recompute)] * pp if isinstance(recompute, bool) else list(recompute)
     for s, st in enumerate(stages):
         train, frozen = params[s]
-        weights = (train * (6 + 12 / dp) + frozen * 2) / tp
+        weights = weight_bytes(train, frozen, dp, sharding) / tp
+        if sharding == "full":  # two layers gathered at once
+            layers = sum(seg.layer_end - seg.layer_start for seg in st.segments)
+            weights += 2 * 2 * (train + frozen) / max(1, layers) / tp
+        recompute = flags[s]
         inflight = m if schedule == "gpipe" else min(m, pp - s)
         act = 0.0
         peak_layer = 0.0  # full recomputation: one layer's activations live at a time

@@ -10,22 +10,12 @@ batch. The plan is the layout with the lowest mean simulated iteration time;
 the per-batch oracle picks the best simulated layout afresh for every batch,
 and ``oracle_gap`` is how much slower the static choice is on average.
 
-Model of time and memory (stated so it can be checked and calibrated):
-
-- stage compute: the cost model's seconds / (tp * 0.9 ** log2(tp)), i.e. 10 %
-  lost to tensor-parallel communication per doubling;
-- point-to-point: each microbatch's activations (tokens x hidden x 2 bytes)
-  cross every stage boundary forward and backward at NVLink speed inside a
-  node, at network speed across nodes;
-- DP gradient all-reduce of the largest stage's bf16 gradients, not overlapped;
-- memory per GPU: bf16 weights + fp32 gradients + fp32 Adam state and master
-  weights sharded over dp (distributed optimizer: 6 + 12/dp bytes/param;
-  frozen weights 2 bytes), plus activations of the microbatches 1F1B keeps in
-  flight on the stage (S - s of them) at the token cap (34 * hidden / tp bytes
-  per token per layer, Korthikanti et al. 2022 with flash attention), plus the
-  deferral buffer on the stage that receives encoder outputs. A layout that does
-  not fit may use full activation recomputation (only layer inputs kept; the
-  backward repeats the forward), chosen only where it is needed.
+Model of time: :mod:`.plan_time`; of memory: :mod:`.plan_layout`. Every
+layout is tried with each data-parallel sharding (``none``, ``optimizer``,
+``gradients``, ``full``); a stage whose memory does not fit recomputes its
+activations (only that stage: recomputation costs time and frees memory, so
+a stage that fits without it never takes it). Sharding and recomputation are
+then scored like every other choice, analytically and in the simulation.
 """
 
 from __future__ import annotations
@@ -33,100 +23,64 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 
-from .assignment import assign
 from .cost_model import SampleCosts, per_sample_costs
 from .errors import InvalidInput, PlanError
 from .metadata import SampleTable
-from .plan import Cluster, ParallelPlan, StagePlan, StageSegment
+from .plan import SHARDING, Cluster, ParallelPlan, StagePlan
 from .plan_layout import layer_units, memory_gb, stage_params, stages_for
+from .plan_scoring import (
+    Candidate,
+    PlanContext,
+    caps,
+    ideal,
+    share_need_of,
+    simulate,
+    to_simulate,
+)
+from .plan_time import (
+    OVERHEAD_PER_MICROBATCH,
+    RECOMPUTE_SLOWDOWN,
+    gather_times,
+    group_bandwidth,
+    sync_time,
+    tp_speedup,
+)
 from .presets import ModelSpec
 from .profiler import MacroProfile
 from .simulator import (
     SCHEDULES,
-    ideal_iteration_time,
-    set_loads,
-    simulate_pipeline,
-    stage_sample_costs,
-    times_from_sample_costs,
 )
 from .token_caps import (
     check_token_cap,
     heavy_batch_tokens,
     pinned_cap_error,
-    share_need,
-    token_caps,
 )
 
 __all__ = [
     "make_plan",
-    "Candidate",
-    "Cluster",
-    "StagePlan",
-    "StageSegment",
-    "ParallelPlan",
-    "PlanError",
-    "TP_EFFICIENCY",
     "MEMORY_HEADROOM",
 ]
 
 log = logging.getLogger(__name__)
 
-TP_EFFICIENCY = 0.9  # compute efficiency kept per doubling of tensor parallelism
 MEMORY_HEADROOM = 0.9  # share of GPU memory the plan may use
-RECOMPUTE_SLOWDOWN = 4.0 / 3.0  # full recomputation repeats the forward (f + 2f -> 2f + 2f)
-OVERHEAD_PER_MICROBATCH = 2e-4  # seconds of launch/scheduling per stage per microbatch
 MAX_STAGES = 32  # deepest pipeline searched
-SCREEN_BATCHES = 2  # profiled batches every simulated layout is scored on
-SCREEN_MARGIN = 0.10  # slower than the best by more on those: not simulated on the rest
 
 
-@dataclass(frozen=True)
-class Candidate:
-    """One feasible layout with its analytic and (when simulated) measured scores."""
-
-    tp: int
-    pp: int
-    dp: int
-    microbatches: int
-    stages: tuple[StagePlan, ...]
-    memory_gb: tuple[float, ...]
-    analytic_time: float
-    recompute: bool = False
-    encoder_stages: int = 0  # pure encoder stages in front of the LLM's (0: encoders share one)
-
-
-def _tp_speedup(tp: int) -> float:
-    return tp * TP_EFFICIENCY ** math.log2(tp)
-
-
-def _analytic(stages, tp, dp, m, cluster, model, mean_tokens_mb, params) -> float:
-    """``(M + S - 1)`` x the slowest stage's mean microbatch (+ p2p), plus the DP sync."""
-    loads = np.array([st.expected_load for st in stages]) / (dp * m) / _tp_speedup(tp)
+def _analytic(stages, tp, dp, m, cluster, model, mean_tokens_mb, params, rc, sharding) -> float:
+    """``(M + S - 1)`` x the slowest stage's mean microbatch (+ p2p, + weight gathers not
+    hidden by compute), plus the per-iteration DP collectives."""
+    loads = np.array([st.expected_load for st in stages]) / (dp * m) / tp_speedup(tp)
+    loads = loads * np.where(rc, RECOMPUTE_SLOWDOWN, 1.0)
+    loads = np.maximum(loads, 2 * gather_times(params, tp, dp, cluster, sharding))
     pp = len(stages)
-    bw_p2p = (
-        cluster.intra_node_gbps if tp * pp <= cluster.gpus_per_node else cluster.inter_node_gbps
-    ) * 1e9
-    p2p = 2 * mean_tokens_mb * model.llm.hidden * 2 / bw_p2p if pp > 1 else 0.0
-    per_mb = loads.max() + p2p + OVERHEAD_PER_MICROBATCH
-    return (m + pp - 1) * per_mb + _sync_time(params, tp, dp, cluster)
-
-
-def _sync_time(params: list[tuple[float, float]], tp: int, dp: int, cluster: Cluster) -> float:
-    """DP all-reduce of the largest stage's bf16 gradients (ring: 2 (dp-1)/dp of the bytes).
-
-    ``params``: (trainable, frozen) parameters of every stage.
-    """
-    if dp == 1:
-        return 0.0
-    grads = max(p[0] for p in params) * 2 / tp
-    bw = (
-        cluster.intra_node_gbps if tp * dp <= cluster.gpus_per_node else cluster.inter_node_gbps
-    ) * 1e9
-    return 2 * (dp - 1) / dp * grads / bw
+    p2p = 2 * mean_tokens_mb * model.llm.hidden * 2 / group_bandwidth(cluster, tp * pp)
+    per_mb = loads.max() + (p2p if pp > 1 else 0.0) + OVERHEAD_PER_MICROBATCH
+    return (m + pp - 1) * per_mb + sync_time(params, tp, dp, cluster, sharding)
 
 
 def _divisors(n: int) -> list[int]:
@@ -152,6 +106,8 @@ def make_plan(
     costs: SampleCosts | None = None,
     profile: MacroProfile | None = None,
     max_tokens: int | None = None,
+    shardings: tuple[str, ...] = SHARDING,
+    recompute: str = "stage",
 ) -> ParallelPlan:
     """Search the feasible layouts for ``model`` on ``cluster`` and return the static plan.
 
@@ -159,7 +115,10 @@ def make_plan(
     supplies the global batches to score on; otherwise ``batches`` global
     batches of ``global_batch`` samples are drawn with ``seed``. ``dp``, ``tp``,
     ``pp`` and ``microbatches`` pin parts of the layout; ``max_tokens`` pins the LLM token cap of
-    a microbatch (else it is derived so that every global batch of the index fits). Raises
+    a microbatch (else it is derived so that every global batch of the index fits).
+    ``shardings``: the data-parallel shardings tried; ``recompute``: ``"stage"`` (each stage that
+    does not fit recomputes) or ``"all"`` (every stage, when one does not fit: the planner before
+    per-stage recomputation, for comparisons). Raises
     :class:`~entrain_data.errors.PlanError` naming why when nothing fits.
     """
     t0 = time.perf_counter()
@@ -167,6 +126,11 @@ def make_plan(
         model = replace(model, encoders=tuple(e.with_frozen() for e in model.encoders))
     idx = _profiled_batches(table, global_batch, batches, seed, profile)
     batches, global_batch = idx.shape
+    bad = [x for x in shardings if x not in SHARDING] or ([] if shardings else ["(none)"])
+    if bad or recompute not in ("stage", "all"):
+        raise InvalidInput(
+            f"shardings {bad} / recompute {recompute!r}: choose from {SHARDING} / stage, all"
+        )
     for name, v in (("dp", dp), ("tp", tp), ("pp", pp), ("microbatches", microbatches)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise InvalidInput(f"{name} must be a positive integer, got {v!r}")
@@ -175,7 +139,7 @@ def make_plan(
     costs = costs if costs is not None else per_sample_costs(table, model, calibration=calibration)
     tok = costs.llm_tokens.astype(np.int64)
     check_token_cap(table.keys, tok, max_tokens)
-    ctx = _Context(
+    ctx = PlanContext(
         model,
         cluster,
         global_batch,
@@ -186,12 +150,20 @@ def make_plan(
         max_tokens,
     )
     cands, smallest_need = _candidates(
-        ctx, layer_units(model, costs, idx), dp, tp, pp, microbatches, schedule
+        ctx,
+        layer_units(model, costs, idx),
+        dp,
+        tp,
+        pp,
+        microbatches,
+        schedule,
+        shardings,
+        recompute,
     )
     if not cands:
         if max_tokens is not None:
             raise pinned_cap_error(
-                max_tokens, _share_need(ctx, dp or 1, microbatches or 1), dp, microbatches
+                max_tokens, share_need_of(ctx, dp or 1, microbatches or 1), dp, microbatches
             )
         if smallest_need is math.inf:
             raise PlanError(
@@ -204,14 +176,14 @@ def make_plan(
             f"the smallest needs {smallest_need:.1f} GB per GPU, "
             f"{MEMORY_HEADROOM * cluster.gpu_memory_gb:.1f} GB usable of {cluster.gpu_memory_gb:g} GB"
         )
-    chosen = _to_simulate(cands, simulate_top)
-    sims, means_fb = _simulate(ctx, chosen, costs, idx, seed, schedule)
+    chosen = to_simulate(cands, simulate_top)
+    sims, means_fb = simulate(ctx, chosen, costs, idx, seed, schedule)
     means = np.nanmean(sims, axis=1)
     full = ~np.isnan(sims).any(axis=1)  # simulated on every batch (the best always is)
     best, worst = int(np.argmin(np.where(full, means, np.inf))), int(np.argmax(means))
     oracle = np.nanmin(sims, axis=0).mean()
     c = chosen[best]
-    cap, budget = _caps(ctx, c.dp, c.microbatches)
+    cap, budget = caps(ctx, c.dp, c.microbatches)
     elapsed = time.perf_counter() - t0
     log.info("planned %d candidates (%d simulated) in %.2fs", len(cands), len(chosen), elapsed)
     return ParallelPlan(
@@ -222,9 +194,12 @@ def make_plan(
         pp=c.pp,
         stages=tuple(
             StagePlan(
-                s.index, s.segments, s.expected_load / (c.dp * c.microbatches) / _tp_speedup(c.tp)
+                s.index,
+                s.segments,
+                s.expected_load / (c.dp * c.microbatches) / tp_speedup(c.tp),
+                rc,
             )
-            for s in c.stages
+            for s, rc in zip(c.stages, c.recompute)
         ),
         microbatches=c.microbatches,
         global_batch=global_batch,
@@ -233,11 +208,12 @@ def make_plan(
         max_encoder_patches=_patch_cap(ctx, c.dp, c.microbatches, costs.encoder_tokens),
         schedule=schedule,
         expected_iteration_time=float(means[best]),
-        ideal_iteration_time=_ideal(means_fb[best], c.microbatches, schedule),
+        ideal_iteration_time=ideal(means_fb[best], c.microbatches, schedule),
         oracle_gap=float(means[best] / oracle - 1.0),
         worst_static_gap=float(1.0 - means[best] / means[worst]),
         memory_gb=c.memory_gb,
-        recompute=c.recompute,
+        recompute=any(c.recompute),
+        sharding=c.sharding,
         model=model.to_dict(),
         calibration=calibration
         if isinstance(calibration, dict) or calibration is None
@@ -257,7 +233,8 @@ def make_plan(
                     "dp": x.dp,
                     "microbatches": x.microbatches,
                     "encoder_stages": x.encoder_stages,
-                    "recompute": x.recompute,
+                    "recompute": list(x.recompute),
+                    "sharding": x.sharding,
                     "stages": [s.module for s in x.stages],
                     "analytic_time": x.analytic_time,
                     "mean_time": float(mt),
@@ -267,20 +244,6 @@ def make_plan(
             ],
         },
     )
-
-
-@dataclass(frozen=True)
-class _Context:
-    """What every candidate is scored against (fixed for one planning run)."""
-
-    model: ModelSpec
-    cluster: Cluster
-    global_batch: int
-    tokens_b: np.ndarray  # [K, B] LLM tokens of the profiled batches
-    largest_sample: int  # LLM tokens of the table's largest sample
-    enc_tokens_b: np.ndarray  # [K, B] encoder tokens (all encoders)
-    heavy_batch: int  # LLM tokens of the heaviest global batch of a few epochs of the table
-    max_tokens: int | None = None  # the user's token cap, if pinned
 
 
 def _profiled_batches(
@@ -323,18 +286,7 @@ def _enc_tokens(costs: SampleCosts, idx: np.ndarray) -> np.ndarray:
     return costs.encoder_tokens.sum(axis=1)[idx]
 
 
-def _caps(ctx: _Context, dp: int, m: int) -> tuple[int, int]:
-    """Token cap and deferral budget of a microbatch for (dp, m) (see :mod:`.token_caps`)."""
-    heavy = max(int(ctx.tokens_b.sum(axis=1).max()), ctx.heavy_batch)
-    return token_caps(heavy, ctx.largest_sample, dp, m, ctx.max_tokens)
-
-
-def _share_need(ctx: _Context, dp: int, m: int) -> int:
-    heavy = max(int(ctx.tokens_b.sum(axis=1).max()), ctx.heavy_batch)
-    return share_need(heavy, ctx.largest_sample, dp, m)
-
-
-def _patch_cap(ctx: _Context, dp: int, m: int, table_patches: np.ndarray) -> int:
+def _patch_cap(ctx: PlanContext, dp: int, m: int, table_patches: np.ndarray) -> int:
     """Encoder patches per encoder set: the memory model's figure (1.5x the heaviest batch's
     mean), at least the table's largest sample (none unassignable); 0 without encoders."""
     largest = int(table_patches.max(initial=0))
@@ -345,7 +297,7 @@ def _patch_cap(ctx: _Context, dp: int, m: int, table_patches: np.ndarray) -> int
 
 
 def _candidates(
-    ctx: _Context, units, dp, tp, pp, microbatches, schedule
+    ctx: PlanContext, units, dp, tp, pp, microbatches, schedule, shardings, recompute
 ) -> tuple[list[Candidate], float]:
     """Every layout meeting the pins whose memory fits, with its analytic time."""
     model, cluster, world = ctx.model, ctx.cluster, ctx.cluster.world_size
@@ -373,6 +325,7 @@ def _candidates(
     enc_tok = ctx.enc_tokens_b
     cands: list[Candidate] = []
     smallest_need = math.inf
+    limit = MEMORY_HEADROOM * cluster.gpu_memory_gb
     stage_cache: dict[tuple[int, int], tuple[StagePlan, ...] | None] = {}
     params_cache: dict[tuple[int, int], list[tuple[float, float]]] = {}
     for t in tps:
@@ -395,129 +348,26 @@ def _candidates(
                     params_cache[p, k] = [stage_params(model, st) for st in stages]
                 params = params_cache[p, k]
                 for mm in ms:
-                    cap, budget = _caps(ctx, d, mm)
-                    if ctx.max_tokens is not None and cap < _share_need(ctx, d, mm):
+                    cap, budget = caps(ctx, d, mm)
+                    if ctx.max_tokens is not None and cap < share_need_of(ctx, d, mm):
                         continue  # a pinned cap this layout's microbatches cannot serve
                     enc_tokens = int(math.ceil(1.5 * enc_tok.sum(axis=1).max() / (d * mm)))
                     enc_tokens = max(enc_tokens, int(enc_tok.max()))
-                    for rc in (False, True):  # recompute only when the layout needs it
-                        mem = memory_gb(
-                            model, stages, t, d, mm, cap, enc_tokens, budget, rc, params, schedule
-                        )
-                        smallest_need = min(smallest_need, max(mem))
-                        if max(mem) <= MEMORY_HEADROOM * cluster.gpu_memory_gb:
-                            break
-                    else:
-                        continue
                     mean_tokens = ctx.tokens_b.sum(axis=1).mean() / (d * mm)
-                    at = _analytic(stages, t, d, mm, cluster, model, mean_tokens, params)
-                    at *= RECOMPUTE_SLOWDOWN if rc else 1.0
-                    cands.append(Candidate(t, p, d, mm, stages, mem, at, rc, k))
-    cands.sort(key=lambda c: c.analytic_time)
+                    for sh in shardings:
+                        args = (model, stages, t, d, mm, cap, enc_tokens, budget)
+                        mem = memory_gb(*args, False, params, schedule, sh)
+                        rc = tuple(x > limit for x in mem)
+                        if any(rc):
+                            rc = (True,) * len(rc) if recompute == "all" else rc
+                            mem = memory_gb(*args, rc, params, schedule, sh)
+                        smallest_need = min(smallest_need, max(mem))
+                        if max(mem) > limit:
+                            continue
+                        at = _analytic(
+                            stages, t, d, mm, cluster, model, mean_tokens, params, rc, sh
+                        )
+                        cands.append(Candidate(t, p, d, mm, stages, mem, at, rc, k, sh))
+    # equal times: the distributed optimizer (what plans assumed before), then less memory
+    cands.sort(key=lambda c: (c.analytic_time, c.sharding != "optimizer", max(c.memory_gb)))
     return cands, smallest_need
-
-
-def _to_simulate(cands: list[Candidate], top: int) -> list[Candidate]:
-    """The analytically best few distinct layouts, the best one's next microbatch count, the worst.
-
-    Distinct layouts (tp, pp, encoder stages) make the per-batch oracle a real
-    alternative; the worst feasible layout prices a wrong static choice.
-    """
-    best_of: dict[tuple[int, int, int], Candidate] = {}
-    for c in cands:
-        best_of.setdefault((c.tp, c.pp, c.encoder_stages), c)
-    layouts = list(best_of.values())[: max(1, top)]
-    lead = layouts[0]
-    siblings = [
-        c
-        for c in cands
-        if (c.tp, c.pp, c.encoder_stages) == (lead.tp, lead.pp, lead.encoder_stages)
-        and c is not lead
-    ][:1]
-    chosen: list[Candidate] = []
-    for c in layouts + siblings + [cands[-1]]:
-        if all(c is not x for x in chosen):
-            chosen.append(c)
-    return chosen
-
-
-def _simulate(ctx: _Context, chosen, costs, idx, seed, schedule) -> tuple[np.ndarray, list]:
-    """[C, K] simulated iteration seconds of the chosen layouts on the profiled batches.
-
-    Assignments depend on (dp, microbatches) only and per-stage sample costs on
-    the stage layout only, so both are computed once and shared. Every layout
-    is first scored on ``SCREEN_BATCHES`` batches; one slower than the best by
-    more than ``SCREEN_MARGIN`` there (far beyond the batch-to-batch spread of
-    a global-batch sum) is not simulated further and stays NaN on the rest.
-    """
-    enc_cost, llm_cost = costs.encoder_cost(), costs.llm_cost()
-    tok = costs.llm_tokens.astype(np.int64)
-    sims = np.full((len(chosen), len(idx)), np.nan)
-    means_fb: list[list] = [[] for _ in chosen]  # per batch: (mean fwd [S], mean bwd [S], sync)
-    assignments: dict[tuple[int, int, int], object] = {}
-    per_stage: dict[int, tuple] = {}
-
-    def run(ci: int, k: int) -> None:
-        c, b = chosen[ci], idx[k]
-        akey = (c.dp, c.microbatches, k)
-        if akey not in assignments:
-            cap, budget = _caps(ctx, c.dp, c.microbatches)
-            assignments[akey] = assign(
-                enc_cost[b],
-                llm_cost[b],
-                tok[b],
-                dp=c.dp,
-                microbatches=c.microbatches,
-                max_tokens=cap,
-                defer_budget=budget,
-                method="entrain",
-                seed=seed,
-                iteration=k,
-            )
-        a = assignments[akey]
-        if id(c.stages) not in per_stage:
-            per_stage[id(c.stages)] = stage_sample_costs(costs, c.stages)
-        sync = _sync_time([stage_params(ctx.model, st) for st in c.stages], c.tp, c.dp, ctx.cluster)
-        f, bw = times_from_sample_costs(a, per_stage[id(c.stages)], b, _tp_speedup(c.tp))
-        if c.recompute:
-            bw = bw + f
-        mb_tokens = set_loads(a.llm_sets, tok[b]) if c.pp > 1 else None
-        f, bw = _add_comm(f, bw, c, ctx, mb_tokens)
-        sims[ci, k] = simulate_pipeline(f, bw, schedule).iteration_time + sync
-        means_fb[ci].append((f.mean(axis=(0, 1)), bw.mean(axis=(0, 1)), sync))
-
-    screen = min(SCREEN_BATCHES, len(idx))
-    for ci in range(len(chosen)):
-        for k in range(screen):
-            run(ci, k)
-    first = sims[:, :screen].mean(axis=1)
-    for ci in np.flatnonzero(first <= first.min() * (1 + SCREEN_MARGIN)):
-        for k in range(screen, len(idx)):
-            run(int(ci), k)
-    return sims, means_fb
-
-
-def _ideal(per_batch: list, m: int, schedule: str) -> float:
-    """Mean over the batches of the iteration with every microbatch at its stage's mean."""
-    times = [
-        ideal_iteration_time(
-            np.broadcast_to(f, (1, m, len(f))), np.broadcast_to(b, (1, m, len(b))), schedule
-        )
-        + sync
-        for f, b, sync in per_batch
-    ]
-    return float(np.mean(times))
-
-
-def _add_comm(f, b, c: Candidate, ctx: _Context, mb_tokens: np.ndarray | None) -> tuple:
-    """Per-microbatch overhead and activation transfer across stage boundaries."""
-    f = f + OVERHEAD_PER_MICROBATCH
-    b = b + OVERHEAD_PER_MICROBATCH
-    if c.pp == 1:
-        return f, b
-    cl = ctx.cluster
-    bw = (cl.intra_node_gbps if c.tp * c.pp <= cl.gpus_per_node else cl.inter_node_gbps) * 1e9
-    t = mb_tokens * ctx.model.llm.hidden * 2 / bw
-    f[..., :-1] += t[..., None]
-    b[..., 1:] += t[..., None]
-    return f, b

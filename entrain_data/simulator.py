@@ -32,7 +32,7 @@ from .errors import InvalidInput
 if TYPE_CHECKING:  # imported for type hints only: no cycle at run time
     from .assignment import Assignment
     from .cost_model import SampleCosts
-    from .planner import StagePlan
+    from .plan import StagePlan
 
 __all__ = [
     "SCHEDULES",

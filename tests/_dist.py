@@ -43,6 +43,10 @@ __all__ = [
     "count_deferred",
     "make_model",
     "reference_params",
+    "reference_params_bf16",
+    "reference_params_adam",
+    "make_adam",
+    "bf16_noise",
     "assert_params_close",
 ]
 
@@ -173,16 +177,50 @@ def count_deferred(mbs: list[Microbatch]) -> int:
     return sum(len(mb.deferred_out) for mb in mbs)
 
 
-def make_model(seed: int = 0, **kw: Any) -> ReferenceMLLM:
+def make_model(seed: int = 0, bf16_init: bool = False, **kw: Any) -> ReferenceMLLM:
+    """The reference model, seeded; ``bf16_init``: fp32 weights rounded to bf16 values."""
     torch.manual_seed(seed)
     from entrain_data.adapters.reference_model import ReferenceConfig
 
-    return ReferenceMLLM(ReferenceConfig(**kw))
+    model = ReferenceMLLM(ReferenceConfig(**kw))
+    if bf16_init:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(torch.bfloat16).float())
+    return model
 
 
 @functools.lru_cache(maxsize=8)
-def _reference(steps: int, mode: str, seed: int) -> dict[str, torch.Tensor]:
-    return _train_reference(global_batches(steps), mode, seed)
+def _reference(
+    steps: int, mode: str, seed: int, bf16: bool = False, adam: bool = False
+) -> dict[str, torch.Tensor]:
+    return _train_reference(global_batches(steps), mode, seed, bf16, adam)
+
+
+ADAM_LR = 1e-2
+ADAM_EPS = 1e-3
+
+
+def make_adam(params: Any) -> torch.optim.Optimizer:
+    """The Adam the Adam-only paths (Megatron's distributed optimizer) are compared with:
+    betas 0.9/0.999, no weight decay, ``eps`` 1e-3 (not 1e-8): some gradients are zero in exact
+    arithmetic (an attention key bias), float noise there, and Adam would turn that noise
+    into lr-sized steps; eps above the noise keeps the comparison about real gradients."""
+    return torch.optim.AdamW(params, lr=ADAM_LR, betas=(0.9, 0.999), eps=ADAM_EPS, weight_decay=0.0)
+
+
+def reference_params_adam(steps: int, bf16: bool = False) -> dict[str, torch.Tensor]:
+    """The scenario's unbalanced run with :func:`make_adam` (fp32, or bf16 as
+    :func:`reference_params_bf16`)."""
+    return _reference(steps, "token", 0, bf16, True)
+
+
+def reference_params_bf16(steps: int, mode: str = "token") -> dict[str, torch.Tensor]:
+    """The scenario's unbalanced run in bf16 mixed precision, as the frameworks run it:
+    fp32 master weights, forward and backward on a bf16 copy, gradients to fp32, fp32 SGD.
+    The master starts from ``make_model(bf16_init=True)``: DeepSpeed casts the model to bf16
+    before it copies the fp32 master, so its master starts bf16-rounded."""
+    return _reference(steps, mode, 0, True)
 
 
 def reference_params(
@@ -194,6 +232,14 @@ def reference_params(
     if _fingerprint(batches) == _fingerprint(global_batches(len(batches))):
         return _reference(len(batches), mode, seed)
     return _train_reference(batches, mode, seed)
+
+
+def bf16_noise(steps: int, adam: bool = False) -> float:
+    """How far bf16 arithmetic alone moves the scenario's parameters: the unbalanced bf16 run
+    against the unbalanced fp32 run from the same (bf16-rounded) initial weights."""
+    fp32 = _train_reference(global_batches(steps), "token", 0, False, adam, rounded_init=True)
+    bf16 = _reference(steps, "token", 0, True, adam)
+    return max(float((bf16[k] - fp32[k]).abs().max()) for k in fp32)
 
 
 def _fingerprint(batches: list[list[SyntheticSample]]) -> tuple:
@@ -210,16 +256,27 @@ def _fingerprint(batches: list[list[SyntheticSample]]) -> tuple:
 
 
 def _train_reference(
-    batches: list[list[SyntheticSample]], mode: str, seed: int
+    batches: list[list[SyntheticSample]],
+    mode: str,
+    seed: int,
+    bf16: bool = False,
+    adam: bool = False,
+    rounded_init: bool | None = None,
 ) -> dict[str, torch.Tensor]:
-    model = make_model(seed)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    model = make_model(seed, bf16_init=bf16 if rounded_init is None else rounded_init)
+    compute = make_model(seed).to(torch.bfloat16) if bf16 else model
+    opt = make_adam(model.parameters()) if adam else torch.optim.SGD(model.parameters(), lr=LR)
     for it, batch in enumerate(batches):
         samples = {s.key: s for s in batch}
         keys = list(samples)
         mb = pack_microbatch(samples, keys, keys, iteration=it)
-        loss_sum, count = model(mb, mode=mode)
+        if bf16:
+            compute.load_state_dict(model.state_dict())  # rounds the fp32 master to bf16
+        loss_sum, count = compute(mb, mode=mode)
         (loss_sum / count).backward()
+        if bf16:
+            for p, c in zip(model.parameters(), compute.parameters()):
+                p.grad, c.grad = c.grad.float(), None
         opt.step()
         opt.zero_grad()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -92,4 +92,71 @@ def install_multimodule_cpu_shim() -> None:
     bridge_communicator.dist = _ModuleProxy(dist, new_subgroups_by_enumeration=_gloo_subgroups)
 
 
-__all__ += ["install_multimodule_cpu_shim"]
+class _NullStream:
+    """A CUDA stream stand-in: work is issued in program order on the CPU."""
+
+    def __init__(self, *args: Any, **kw: Any):
+        pass
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def __enter__(self) -> _NullStream:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def install_ddp_cpu_shim() -> None:
+    """:func:`install_cpu_shim`, plus the CUDA-only spots of 0.16.1's ``DistributedDataParallel``
+    (grad buffers allocated on ``torch.cuda.current_device()``, the communication stream) and
+    distributed optimizer (``param.type() == 'torch.cuda.FloatTensor'`` dispatch), in this
+    process only. Buffers, reductions and the optimizer's arithmetic are Megatron's own."""
+    install_cpu_shim()
+    if torch.cuda.is_available():
+        return
+    import megatron.core.utils as mcore_utils
+    from megatron.core.distributed import (
+        distributed_data_parallel,
+        finalize_model_grads,
+        param_and_grad_buffer,
+    )
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+
+    cuda = _ModuleProxy(
+        torch.cuda,
+        current_device=lambda: "cpu",
+        synchronize=lambda *a: None,
+        empty_cache=lambda: None,
+        Stream=_NullStream,
+        stream=lambda s: _NullStream(),
+        default_stream=lambda *a: _NullStream(),
+    )
+
+    def on_cpu(make: Any) -> Any:
+        def wrapped(*args: Any, device: Any = None, **kw: Any) -> torch.Tensor:
+            return make(*args, device="cpu" if str(device).startswith("cuda") else device, **kw)
+
+        return wrapped
+
+    proxy = _ModuleProxy(
+        torch, cuda=cuda, **{f: on_cpu(getattr(torch, f)) for f in ("zeros", "tensor", "empty")}
+    )
+    for module in (
+        distributed_data_parallel, finalize_model_grads, param_and_grad_buffer,
+        clip_grads, distrib_optimizer, optimizer, mcore_utils,
+    ):  # fmt: skip
+        module.torch = proxy
+    real_type = torch.Tensor.type
+
+    def cuda_type(self: torch.Tensor, *args: Any, **kw: Any) -> Any:
+        out = real_type(self, *args, **kw)
+        if args or kw or self.device.type != "cpu":
+            return out
+        return out.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = cuda_type  # type: ignore[method-assign]
+
+
+__all__ += ["install_multimodule_cpu_shim", "install_ddp_cpu_shim"]

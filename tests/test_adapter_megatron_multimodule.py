@@ -87,7 +87,7 @@ def _groups_from_coords(plan: ParallelPlan, ranks: list[int], dim: str) -> list[
 def test_grids_follow_rank_coords(monkeypatch: pytest.MonkeyPatch) -> None:
     """tp=2 x dp=2, 2 encoder stages + 2 LLM stages: each grid's tp/dp/pp groups are exactly
     the plan's ranks that share the other coordinates, pipeline groups in stage order."""
-    from entrain_data.adapters.megatron import (
+    from entrain_data.adapters.megatron_multimodule import (
         llm_transformer_settings,
         module_grids_from_plan,
         module_layouts,
@@ -122,11 +122,11 @@ def test_grids_follow_rank_coords(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_multimodule_validation_names_the_field() -> None:
-    from entrain_data.adapters.megatron import (
+    from entrain_data.adapters.megatron import transformer_settings
+    from entrain_data.adapters.megatron_multimodule import (
         module_grids_from_plan,
         module_layouts,
         multimodule_communicator,
-        transformer_settings,
     )
 
     with pytest.raises(PlanError, match="module_grids_from_plan"):
@@ -182,7 +182,7 @@ def _multimodule_rank(rank: int, world: int, out_dir: str) -> None:
     import torch.distributed as dist
     from _megatron_shim import install_multimodule_cpu_shim
     from entrain_data.adapters.common import EncoderOutputBuffer, loss_units
-    from entrain_data.adapters.megatron import (
+    from entrain_data.adapters.megatron_multimodule import (
         module_grids_from_plan,
         module_layouts,
         multimodule_communicator,

@@ -1,0 +1,190 @@
+"""Scoring the planner's candidate layouts: the context every layout is scored against, the
+token caps of a (dp, microbatches) pair, and the simulation of the best few on the profiled
+batches (:func:`simulate`), which :func:`~entrain_data.planner.make_plan` picks from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .assignment import assign
+from .plan import Cluster, StagePlan
+from .plan_layout import stage_params
+from .plan_time import (
+    OVERHEAD_PER_MICROBATCH,
+    gather_times,
+    group_bandwidth,
+    sync_time,
+    tp_speedup,
+)
+from .presets import ModelSpec
+from .simulator import (
+    ideal_iteration_time,
+    set_loads,
+    simulate_pipeline,
+    stage_sample_costs,
+    times_from_sample_costs,
+)
+from .token_caps import share_need, token_caps
+
+__all__ = ["Candidate", "PlanContext", "caps", "share_need_of", "to_simulate", "simulate", "ideal"]
+
+SCREEN_BATCHES = 2  # profiled batches every simulated layout is scored on
+SCREEN_MARGIN = 0.10  # slower than the best by more on those: not simulated on the rest
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One feasible layout with its analytic and (when simulated) measured scores."""
+
+    tp: int
+    pp: int
+    dp: int
+    microbatches: int
+    stages: tuple[StagePlan, ...]
+    memory_gb: tuple[float, ...]
+    analytic_time: float
+    recompute: tuple[bool, ...] = ()  # per stage
+    encoder_stages: int = 0  # pure encoder stages in front of the LLM's (0: encoders share one)
+    sharding: str = "optimizer"
+
+
+@dataclass(frozen=True)
+class PlanContext:
+    """What every candidate is scored against (fixed for one planning run)."""
+
+    model: ModelSpec
+    cluster: Cluster
+    global_batch: int
+    tokens_b: np.ndarray  # [K, B] LLM tokens of the profiled batches
+    largest_sample: int  # LLM tokens of the table's largest sample
+    enc_tokens_b: np.ndarray  # [K, B] encoder tokens (all encoders)
+    heavy_batch: int  # LLM tokens of the heaviest global batch of a few epochs of the table
+    max_tokens: int | None = None  # the user's token cap, if pinned
+
+
+def caps(ctx: PlanContext, dp: int, m: int) -> tuple[int, int]:
+    """Token cap and deferral budget of a microbatch for (dp, m) (see :mod:`.token_caps`)."""
+    heavy = max(int(ctx.tokens_b.sum(axis=1).max()), ctx.heavy_batch)
+    return token_caps(heavy, ctx.largest_sample, dp, m, ctx.max_tokens)
+
+
+def share_need_of(ctx: PlanContext, dp: int, m: int) -> int:
+    heavy = max(int(ctx.tokens_b.sum(axis=1).max()), ctx.heavy_batch)
+    return share_need(heavy, ctx.largest_sample, dp, m)
+
+
+def to_simulate(cands: list[Candidate], top: int) -> list[Candidate]:
+    """The analytically best few distinct layouts, the best one's next microbatch count, the worst.
+
+    Distinct layouts (tp, pp, encoder stages) make the per-batch oracle a real
+    alternative; the worst feasible layout prices a wrong static choice. The
+    pick is made twice, over the distributed-optimizer candidates alone (what
+    the planner simulated before other shardings existed, so adding them can
+    only add layouts to the simulation) and over all of them.
+    """
+    chosen: list[Candidate] = []
+    for pool in ([c for c in cands if c.sharding == "optimizer"], cands):
+        if not pool:
+            continue
+        best_of: dict[tuple[int, int, int], Candidate] = {}
+        for c in pool:
+            best_of.setdefault((c.tp, c.pp, c.encoder_stages), c)
+        layouts = list(best_of.values())[: max(1, top)]
+        lead = layouts[0]
+        siblings = [
+            c
+            for c in pool
+            if (c.tp, c.pp, c.encoder_stages) == (lead.tp, lead.pp, lead.encoder_stages)
+            and c is not lead
+        ][:1]
+        for c in layouts + siblings:
+            if all(c is not x for x in chosen):
+                chosen.append(c)
+    if all(cands[-1] is not x for x in chosen):
+        chosen.append(cands[-1])
+    return chosen
+
+
+def simulate(ctx: PlanContext, chosen, costs, idx, seed, schedule) -> tuple[np.ndarray, list]:
+    """[C, K] simulated iteration seconds of the chosen layouts on the profiled batches.
+
+    Assignments depend on (dp, microbatches) only and per-stage sample costs on
+    the stage layout only, so both are computed once and shared. Every layout
+    is first scored on ``SCREEN_BATCHES`` batches; one slower than the best by
+    more than ``SCREEN_MARGIN`` there (far beyond the batch-to-batch spread of
+    a global-batch sum) is not simulated further and stays NaN on the rest.
+    """
+    enc_cost, llm_cost = costs.encoder_cost(), costs.llm_cost()
+    tok = costs.llm_tokens.astype(np.int64)
+    sims = np.full((len(chosen), len(idx)), np.nan)
+    means_fb: list[list] = [[] for _ in chosen]  # per batch: (mean fwd [S], mean bwd [S], sync)
+    assignments: dict[tuple[int, int, int], object] = {}
+    per_stage: dict[int, tuple] = {}
+
+    def run(ci: int, k: int) -> None:
+        c, b = chosen[ci], idx[k]
+        akey = (c.dp, c.microbatches, k)
+        if akey not in assignments:
+            cap, budget = caps(ctx, c.dp, c.microbatches)
+            assignments[akey] = assign(
+                enc_cost[b],
+                llm_cost[b],
+                tok[b],
+                dp=c.dp,
+                microbatches=c.microbatches,
+                max_tokens=cap,
+                defer_budget=budget,
+                method="entrain",
+                seed=seed,
+                iteration=k,
+            )
+        a = assignments[akey]
+        if id(c.stages) not in per_stage:
+            per_stage[id(c.stages)] = stage_sample_costs(costs, c.stages)
+        params = [stage_params(ctx.model, st) for st in c.stages]
+        sync = sync_time(params, c.tp, c.dp, ctx.cluster, c.sharding)
+        f, bw = times_from_sample_costs(a, per_stage[id(c.stages)], b, tp_speedup(c.tp))
+        bw = bw + f * np.asarray(c.recompute, dtype=float)
+        gather = gather_times(params, c.tp, c.dp, ctx.cluster, c.sharding)
+        f, bw = np.maximum(f, gather), np.maximum(bw, gather)
+        mb_tokens = set_loads(a.llm_sets, tok[b]) if c.pp > 1 else None
+        f, bw = _add_comm(f, bw, c, ctx, mb_tokens)
+        sims[ci, k] = simulate_pipeline(f, bw, schedule).iteration_time + sync
+        means_fb[ci].append((f.mean(axis=(0, 1)), bw.mean(axis=(0, 1)), sync))
+
+    screen = min(SCREEN_BATCHES, len(idx))
+    for ci in range(len(chosen)):
+        for k in range(screen):
+            run(ci, k)
+    first = sims[:, :screen].mean(axis=1)
+    for ci in np.flatnonzero(first <= first.min() * (1 + SCREEN_MARGIN)):
+        for k in range(screen, len(idx)):
+            run(int(ci), k)
+    return sims, means_fb
+
+
+def ideal(per_batch: list, m: int, schedule: str) -> float:
+    """Mean over the batches of the iteration with every microbatch at its stage's mean."""
+    times = [
+        ideal_iteration_time(
+            np.broadcast_to(f, (1, m, len(f))), np.broadcast_to(b, (1, m, len(b))), schedule
+        )
+        + sync
+        for f, b, sync in per_batch
+    ]
+    return float(np.mean(times))
+
+
+def _add_comm(f, b, c: Candidate, ctx: PlanContext, mb_tokens: np.ndarray | None) -> tuple:
+    """Per-microbatch overhead and activation transfer across stage boundaries."""
+    f = f + OVERHEAD_PER_MICROBATCH
+    b = b + OVERHEAD_PER_MICROBATCH
+    if c.pp == 1:
+        return f, b
+    bw = group_bandwidth(ctx.cluster, c.tp * c.pp)
+    t = mb_tokens * ctx.model.llm.hidden * 2 / bw
+    f[..., :-1] += t[..., None]
+    b[..., 1:] += t[..., None]
+    return f, b
