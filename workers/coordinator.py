@@ -329,13 +329,8 @@ class Coordinator:
         )
         log.info("rank %d (replica %d) connected at %s", rank, coords.replica, (epoch, it, mb))
         if elastic:
-            log.warning(
-                "rank %d resumes under a new plan at the start of epoch %d iteration %d "
-                "(re-assigned with this plan)",
-                rank,
-                epoch,
-                it,
-            )
+            why = "resumes under a new plan at its iteration's start (re-assigned by this plan)"
+            log.warning("rank %d %s: epoch %d iteration %d", rank, why, epoch, it)
         if self.ranks[rank].next_pos >= self.end_pos:
             self.done.add(rank)
 
