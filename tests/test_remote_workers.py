@@ -76,6 +76,7 @@ def test_remote_workers_join_over_curve_and_a_killed_one_loses_nothing(tmp_path)
                 p.wait(10)
 
 
+@pytest.mark.slow
 def test_a_remote_worker_without_the_key_or_with_another_index_is_not_let_in(tmp_path):
     from entrain_data.workers.service import start_service
 
