@@ -54,10 +54,10 @@ class MicrobatchDataset(torch.utils.data.Dataset):
     """Item i = the i-th microbatch of the service's schedule, packed by the same packer."""
 
     def __init__(self, index: str, plan_json: str, seed: int) -> None:
+        from entrain_data.workers.sample_source import IndexSource
         from entrain_data.workers.schedule import Scheduler
-        from entrain_data.workers.service import IndexCosts
 
-        enc, llm, tok = IndexCosts(index, plan_json)()
+        enc, llm, tok = IndexSource(index, plan_json).costs()
         plan = ParallelPlan.from_json(plan_json)
         sch = Scheduler(
             enc, llm, tok, dp=1, microbatches=plan.microbatches, global_batch=plan.global_batch,

@@ -52,6 +52,7 @@ KINDS = frozenset(
         "bye",  # client -> service: closing
         # coordinator <-> worker
         "ready",  # worker -> coordinator: started, can take tasks
+        "heartbeat",  # remote worker -> coordinator: idle but alive
         "task",  # coordinator -> worker: fetch, decode and pack one microbatch
         "result",  # worker -> coordinator: a packed microbatch (tensors follow)
         "failed",  # worker -> coordinator: the task failed (sample error)

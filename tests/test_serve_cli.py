@@ -125,7 +125,10 @@ def test_ctrl_c_in_a_terminal_is_one_line_and_stops_the_workers_at_once(inputs, 
     assert srv.returncode == 0, out
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
     assert "restart" not in out, out
-    assert "stopped by SIGINT" in out
+    lines = out.strip().splitlines()  # the banner, then one line
+    assert len(lines) == 2 and "stopped by SIGINT" in lines[1] and "workers stopped" in lines[1], (
+        out
+    )
     assert took < 4.0, (took, out)
     deadline = time.monotonic() + 3  # the resource tracker exits once its pipe closes
     while left := [w for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]:

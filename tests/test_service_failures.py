@@ -228,6 +228,7 @@ def slow_assign(*args, **kwargs):
     return assign(*args, **kwargs)
 
 
+@pytest.mark.slow
 def test_the_serving_loop_answers_while_an_iteration_is_being_assigned(tmp_path, dataset):
     svc = start(tmp_path, dataset, make_plan(), assign_fn=slow_assign, window=12)
     ld = EntrainLoader(svc.endpoint, 0, prefetch=12, timeout=60)

@@ -12,7 +12,7 @@ from typing import Any
 
 from entrain_data.errors import InvalidInput
 
-__all__ = ["register", "cmd_index", "cmd_serve", "format_stats"]
+__all__ = ["register", "cmd_index", "cmd_serve", "cmd_worker", "format_stats"]
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         window=args.window,
         stats_interval=args.stats_interval,
         ranks=args.ranks,
+        remote_endpoint=args.remote_endpoint,
     )
 
     def ready() -> None:  # printed once bound: a failed start prints only its error
@@ -118,11 +119,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
     stats = serve_foreground(
         cfg, on_stats=lambda s: print(format_stats(s), flush=True), on_ready=ready
     )
-    print(format_stats(stats), flush=True)
-    how = stats.get("stopped_by") or "stopped"
-    print(f"{how} after {time.monotonic() - t0:.1f}s", flush=True)
+    took = time.monotonic() - t0
+    if stats.get("stopped_by"):  # a signal (Ctrl-C): one line, the workers are already stopped
+        print(
+            f"entrain-data serve: {stats['stopped_by']} after {took:.1f}s "
+            f"({stats['microbatches_served']} microbatches, {stats['samples_served']} samples "
+            "served); workers stopped",
+            flush=True,
+        )
+    else:
+        print(format_stats(stats), flush=True)
+        print(f"stopped after {took:.1f}s", flush=True)
     if stats.get("skipped_samples") or stats.get("left_out_samples"):
         print(f"samples not delivered are listed in {args.skipped}", flush=True)
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from .service import check_endpoint, remote_source
+    from .worker import run_remote_worker
+
+    if not check_endpoint(args.connect).startswith("tcp://"):
+        raise InvalidInput(
+            f"--connect: remote workers join over tcp://HOST:PORT, got {args.connect}"
+        )
+    key = args.curve_server_key.encode() if args.curve_server_key else None
+    if key is not None and len(key) != 40:
+        raise InvalidInput("--curve-server-key: expected the 40-character Z85 public key")
+    source = remote_source(args.index, args.plan, on_error=args.on_error)
+    print(f"entrain-data worker: joining {args.connect}; Ctrl-C to stop", flush=True)
+    run_remote_worker(args.connect, source, curve_server_key=key)
+    print("entrain-data worker: the service said stop", flush=True)
     return 0
 
 
@@ -231,4 +258,33 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="PATH",
         help="file holding the server's Z85 CURVE secret key (tcp encryption + auth)",
     )
+    p.add_argument(
+        "--remote-endpoint",
+        metavar="tcp://HOST:PORT",
+        help="also accept workers from other hosts here (`entrain-data worker --connect`); "
+        "CURVE with --curve-secret-key",
+    )
     p.set_defaults(handler=cmd_serve)
+
+    p = subparsers.add_parser(
+        "worker",
+        help="a remote worker: join a service over tcp and pack its tasks",
+        formatter_class=_DefaultsShown,
+    )
+    p.add_argument(
+        "--connect",
+        required=True,
+        metavar="tcp://HOST:PORT",
+        help="the service's --remote-endpoint",
+    )
+    p.add_argument(
+        "--index", required=True, metavar="INDEX", help="the same index the service serves"
+    )
+    p.add_argument("--plan", required=True, metavar="PLAN", help="the same plan the service serves")
+    p.add_argument("--on-error", choices=("raise", "skip"), default="skip", help="as the service's")
+    p.add_argument(
+        "--curve-server-key",
+        metavar="KEY",
+        help="the service's Z85 CURVE public key (40 characters)",
+    )
+    p.set_defaults(handler=cmd_worker)

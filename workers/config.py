@@ -39,5 +39,7 @@ class ServiceConfig:
     max_restarts: int = 20
     assign_fn: Callable[..., Any] | None = None  # replaces assignment.assign (tests)
     ranks: tuple[int, int] | None = None  # inclusive range of ranks this node serves; None: all
+    remote_endpoint: str | None = None  # tcp://HOST:PORT where remote workers join (CURVE if keyed)
+    remote_timeout: float = 30.0  # seconds without a word before a remote worker is presumed dead
     log_level: int = logging.WARNING
     stats_interval: float = 0.0  # seconds between logged stats lines; 0: never

@@ -1,14 +1,12 @@
 """The coordinator: owns plan and index, schedules microbatches, tracks workers, serves ranks.
 
-One thread, one ``zmq.Poller`` with a timeout (an idle service sleeps in
-``poll``; no busy loop). Two ROUTER sockets: ``front`` for clients (one DEALER
-per rank), ``back`` for workers. Per rank the coordinator keeps the next stream
-position and the credits the client granted; it produces (through workers) only
-the positions inside some rank's window ``[next, next + window)`` and drops any
-finished microbatch that left every window, so memory is bounded whatever the
-consumers do, and a slow rank never makes a fast one lose data: a microbatch a
-lagging rank needs again is simply rebuilt (the stream is a pure function of
-the seed, see :mod:`.schedule`).
+One thread, one ``zmq.Poller`` with a timeout (no busy loop). ROUTER sockets:
+``front`` for ranks, ``back`` for local workers, ``remote`` (optional, tcp + CURVE)
+for workers on other hosts. Per rank it keeps the next stream position and its
+credits, produces only positions inside some rank's window and drops a finished
+microbatch that left every window: memory stays bounded, and a lagging rank's
+microbatch is simply rebuilt (the stream is a pure function of the seed, see
+:mod:`.schedule`). Assignment runs ahead in a thread (:mod:`.assign_ahead`).
 """
 
 from __future__ import annotations
@@ -142,10 +140,15 @@ class Coordinator:
         for s in (front, back):
             s.setsockopt(zmq.LINGER, 0)
         front.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted client may reuse its identity
-        if self.cfg.curve_secret_key:
-            front.curve_server = True
-            front.curve_secretkey = self.cfg.curve_secret_key
-            front.curve_publickey = self.cfg.curve_public_key
+        remote = ctx.socket(zmq.ROUTER) if self.cfg.remote_endpoint else None
+        socks = [front, back, remote]
+        binds = [self.cfg.endpoint, self.cfg.worker_endpoint, self.cfg.remote_endpoint]
+        for s in (front, remote):  # what crosses hosts is encrypted when keys are given
+            if s is not None and self.cfg.curve_secret_key:
+                s.setsockopt(zmq.LINGER, 0)
+                s.curve_server = True
+                s.curve_secretkey = self.cfg.curve_secret_key
+                s.curve_publickey = self.cfg.curve_public_key
         pool = WorkerPool(
             back,
             endpoint=self.cfg.worker_endpoint,
@@ -153,11 +156,13 @@ class Coordinator:
             workers=self.cfg.workers,
             log_level=self.cfg.log_level,
         )
+        pool.remote_timeout = self.cfg.remote_timeout
         self._pool_stats_fn = pool.stats
         try:
-            for sock, ep in ((front, self.cfg.endpoint), (back, self.cfg.worker_endpoint)):
+            for sock, ep in zip(socks, binds):
                 try:
-                    sock.bind(ep)
+                    if sock is not None:
+                        sock.bind(ep)
                 except zmq.ZMQError as exc:
                     why = "address already in use" if exc.errno == zmq.EADDRINUSE else exc.strerror
                     raise InvalidInput(f"cannot serve on {ep}: {why}") from None
@@ -168,13 +173,13 @@ class Coordinator:
             if self.on_ready is not None:
                 self.on_ready()
             try:
-                self._loop(front, back, pool)
+                self._loop(front, back, pool, remote)
             except Exception as exc:  # tell every rank why, then stop (never leave them hanging)
                 err = exc if isinstance(exc, EntrainError) else error_from_fields(error_fields(exc))
                 self._fail(front, err)
                 raise
             if self._stop and self.error is None:  # a signal: say so to ranks still reading
-                why = ServiceStopped(f"the loader service was {self._stop_reason}")
+                why = ServiceStopped(f"{self._stop_reason} before this rank's stream ended")
                 for r in self.ranks.values():
                     if r.rank not in self.done:
                         self._reply(front, r.ident, "error", error_fields(why))
@@ -185,6 +190,8 @@ class Coordinator:
             pool.stop(timeout=2.0)
             front.close(linger=500)  # the last error/end messages still leave
             back.close(linger=0)
+            if remote is not None:
+                remote.close(linger=200)  # the stop messages to remote workers still leave
             ctx.term()
             self.state = State.STOPPED
             log.info("stopped: %s", json.dumps(self.stats()))
@@ -193,10 +200,13 @@ class Coordinator:
         return 0
 
     # ------------------------------------------------------------------- loop
-    def _loop(self, front: zmq.Socket, back: zmq.Socket, pool: WorkerPool) -> None:
+    def _loop(
+        self, front: zmq.Socket, back: zmq.Socket, pool: WorkerPool, remote: zmq.Socket | None
+    ) -> None:
         poller = zmq.Poller()
-        poller.register(front, zmq.POLLIN)
-        poller.register(back, zmq.POLLIN)
+        for s in (front, back, remote):
+            if s is not None:
+                poller.register(s, zmq.POLLIN)
         drain_until: float | None = None
         while not self._stop:
             # while microbatches wait for their iteration's assignment, look again soon
@@ -208,13 +218,13 @@ class Coordinator:
                     except zmq.Again:
                         break
                     self._on_client(front, frames)
-            if back in events:
-                for _ in range(64):
+            for sock in (back, remote):
+                for _ in range(64 if sock in events else 0):
                     try:
-                        frames = back.recv_multipart(zmq.NOBLOCK, copy=False)
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    self._on_worker(front, pool, frames)
+                    self._on_worker(front, pool, frames, sock if sock is remote else None)
             if self._stop:
                 break  # a signal arrived: do not restart workers that it may have stopped
             lost = pool.reap()
@@ -320,13 +330,8 @@ class Coordinator:
         )
         log.info("rank %d (replica %d) connected at %s", rank, coords.replica, (epoch, it, mb))
         if elastic:
-            log.warning(
-                "rank %d resumes under a new plan at the start of epoch %d iteration %d "
-                "(re-assigned with this plan)",
-                rank,
-                epoch,
-                it,
-            )
+            why = "resumes under a new plan at its iteration's start (re-assigned by this plan)"
+            log.warning("rank %d %s: epoch %d iteration %d", rank, why, epoch, it)
         if self.ranks[rank].next_pos >= self.end_pos:
             self.done.add(rank)
 
@@ -393,22 +398,26 @@ class Coordinator:
         self.queue = waiting
 
     def _record_left_out(self, epoch: int) -> None:
-        if epoch in self._recorded_epochs:
-            return
-        self._recorded_epochs.add(epoch)
-        rows = self.scheduler.left_out(epoch)
-        why = (
-            f"the last global batch of epoch {epoch} has {len(rows)} sample(s), too few for "
-            f"dp {self.plan.dp} x {self.plan.microbatches} microbatches"
-        )
-        self.record.add_left_out([int(r) for r in rows], epoch, why)
+        if epoch not in self._recorded_epochs:
+            self._recorded_epochs.add(epoch)
+            self.record.add_epoch_left_out(
+                epoch, self.scheduler.left_out(epoch), self.plan.dp, self.plan.microbatches
+            )
 
-    def _on_worker(self, front: zmq.Socket, pool: WorkerPool, frames: list[Any]) -> None:
+    def _on_worker(
+        self, front: zmq.Socket, pool: WorkerPool, frames: list[Any], remote: Any = None
+    ) -> None:
         ident = frames[0].bytes
         try:
             head = protocol.decode(frames[1:2])
         except ProtocolError as exc:
             log.error("malformed message from worker %r: %s", ident, exc)
+            return
+        pool.seen(ident)
+        if head.kind == "heartbeat":
+            return
+        if head.kind == "ready" and remote is not None:
+            pool.join_remote(remote, ident, head.header.get("source"))
             return
         if head.kind == "ready":
             pool.mark_ready(ident)
@@ -479,10 +488,9 @@ class Coordinator:
         return self._pool_stats_fn() if self._pool_stats_fn else []
 
     def _maybe_log_stats(self) -> None:
-        iv = self.cfg.stats_interval
-        if iv and time.monotonic() - self._last_stats >= iv:
+        if (
+            self.cfg.stats_interval
+            and time.monotonic() - self._last_stats >= self.cfg.stats_interval
+        ):
             self._last_stats = time.monotonic()
-            if self.on_stats is not None:
-                self.on_stats(self.stats())
-            else:
-                log.info("stats %s", json.dumps(self.stats()))
+            (self.on_stats or (lambda st: log.info("stats %s", json.dumps(st))))(self.stats())

@@ -40,8 +40,11 @@ _START_FAILURES = 2  # consecutive deaths before "ready" that make a configurati
 class _Slot:
     index: int
     generation: int
-    process: Any
+    process: Any  # None for a remote worker (its host, or Ray, runs it)
     ready: bool = False
+    name: bytes = b""  # a remote worker's identity
+    sock: Any = None  # a remote worker's socket (local ones share ``back``)
+    last_seen: float = field(default_factory=time.monotonic)
     outstanding: set[int] = field(default_factory=set)
     tasks: int = 0
     samples: int = 0
@@ -50,7 +53,7 @@ class _Slot:
 
     @property
     def ident(self) -> bytes:
-        return f"w{self.index}.{self.generation}".encode()
+        return self.name or f"w{self.index}.{self.generation}".encode()
 
 
 class WorkerPool:
@@ -75,6 +78,8 @@ class WorkerPool:
         self.restarts = 0
         self.fatal: EntrainError | None = None
         self._start_failures: dict[int, int] = {}
+        self.remote_timeout = 30.0  # seconds without a word before a remote worker is dead
+        self._source_id: str | None = None  # the source's identity, computed once
 
     def _spawn(self, index: int, generation: int) -> _Slot:
         p = self.ctx.Process(
@@ -102,6 +107,36 @@ class WorkerPool:
             s.ready = True
             self._start_failures.pop(s.index, None)
 
+    def seen(self, ident: bytes) -> None:
+        s = self._slot(ident)
+        if s is not None:
+            s.last_seen = time.monotonic()
+
+    def join_remote(self, sock: zmq.Socket, ident: bytes, source_id: Any) -> None:
+        """A remote worker joins only if it packs the same samples (its index's content hash)."""
+        if self._source_id is None:
+            self._source_id = str(getattr(self.source, "identity", lambda: "")())
+        if source_id != self._source_id:
+            log.error(
+                "refused remote worker %r: its index %s is not this service's %s",
+                ident,
+                source_id,
+                self._source_id,
+            )
+            sock.send_multipart([ident, *protocol.encode("stop")])
+            return
+        self.add_remote(ident, sock)
+
+    def add_remote(self, ident: bytes, sock: zmq.Socket) -> None:
+        """A worker on another host said ``ready``: it takes tasks like a local one."""
+        old = self._slot(ident)
+        if old is not None:
+            old.ready, old.last_seen = True, time.monotonic()
+            return
+        index = max((s.index for s in self.slots), default=-1) + 1
+        self.slots.append(_Slot(index, 0, None, ready=True, name=ident, sock=sock))
+        log.info("remote worker %s joined as worker %d", ident.decode(errors="replace"), index)
+
     def start_failed(self, ident: bytes, error: EntrainError) -> None:
         """A worker could not build its packer: the same configuration fails in every worker."""
         if self._slot(ident) is not None and self.fatal is None:
@@ -119,7 +154,7 @@ class WorkerPool:
         return best
 
     def send(self, slot: _Slot, task_id: int, frames: list[Any]) -> None:
-        self.back.send_multipart([slot.ident, *frames], copy=False)
+        (slot.sock or self.back).send_multipart([slot.ident, *frames], copy=False)
         slot.outstanding.add(task_id)
 
     def task_done(self, ident: bytes, task_id: Any) -> None:
@@ -140,8 +175,19 @@ class WorkerPool:
         A worker that dies before ``ready`` twice in a row sets :attr:`fatal` instead.
         """
         lost: list[int] = []
+        now = time.monotonic()
+        for s in [s for s in self.slots if s.process is None]:
+            if now - s.last_seen > self.remote_timeout:  # silent: presumed dead, not restarted
+                log.error(
+                    "remote worker %s silent for %.0fs holding %d task(s); re-issuing them",
+                    s.ident.decode(errors="replace"),
+                    now - s.last_seen,
+                    len(s.outstanding),
+                )
+                lost.extend(sorted(s.outstanding))
+                self.slots.remove(s)
         for i, s in enumerate(self.slots):
-            if s.process.is_alive():
+            if s.process is None or s.process.is_alive():
                 continue
             if not s.ready:
                 n = self._start_failures.get(s.index, 0) + 1
@@ -172,7 +218,8 @@ class WorkerPool:
             out.append(
                 {
                     "worker": s.index,
-                    "pid": s.process.pid,
+                    "pid": s.process.pid if s.process is not None else None,
+                    "remote": s.name.decode(errors="replace") if s.name else None,
                     "generation": s.generation,
                     "tasks": s.tasks,
                     "samples": s.samples,
@@ -186,10 +233,11 @@ class WorkerPool:
     def stop(self, timeout: float = 5.0) -> None:
         """Ask every worker to stop, then escalate: join -> terminate -> kill."""
         for s in self.slots:
-            if s.process.is_alive():
+            if s.process is None or s.process.is_alive():
                 with contextlib.suppress(zmq.ZMQError):
-                    self.back.send_multipart([s.ident, *protocol.encode("stop")], zmq.NOBLOCK)
-        stop_processes([s.process for s in self.slots], timeout)
+                    sock = s.sock or self.back
+                    sock.send_multipart([s.ident, *protocol.encode("stop")], zmq.NOBLOCK)
+        stop_processes([s.process for s in self.slots if s.process is not None], timeout)
 
 
 @contextlib.contextmanager

@@ -95,6 +95,16 @@ class IndexSource:
 
         return [str(k) for k in read_index(self.index_path).keys]
 
+    def identity(self) -> str:
+        """A hash of the index file's content: a remote worker must pack the same index."""
+        import hashlib
+
+        h = hashlib.sha256()
+        with open(self.index_path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        return h.hexdigest()[:16]
+
     def make_packer(self) -> Packer:
         from . import packing
 

@@ -39,6 +39,7 @@ __all__ = [
     "ServiceHandle",
     "check_endpoint",
     "parse_ranks",
+    "remote_source",
     "make_config",
     "serve_foreground",
     "start_for_dataset",
@@ -99,6 +100,22 @@ def check_endpoint(endpoint: str) -> str:
     )
 
 
+def remote_source(
+    index: str | os.PathLike, plan: ParallelPlan | str | os.PathLike, *, on_error: str = "skip"
+) -> IndexSource:
+    """The source a remote worker packs: built exactly as ``make_config`` builds the service's."""
+    plan_json = _plan_json(plan)
+    path = Path(index).resolve()
+    if not path.is_file():
+        raise InvalidInput(f"index file {path} does not exist")
+    model = json.loads(plan_json).get("model") or None
+    source = IndexSource(
+        str(path), plan_json, on_error=on_error, options={"model": model} if model else {}
+    )
+    _check_packer(source)
+    return source
+
+
 def _check_packer(source: SampleSource) -> None:
     """Build one packer here, before any worker: a bad configuration is one clear error."""
     try:
@@ -132,6 +149,8 @@ def make_config(
     assign_fn: Any = None,
     check_packer: bool = True,
     ranks: str | tuple[int, int] | None = None,
+    remote_endpoint: str | None = None,
+    remote_timeout: float = 30.0,
 ) -> ServiceConfig:
     """Validate the options and build a :class:`ServiceConfig` (ipc endpoints in ``socket_dir``).
 
@@ -153,6 +172,8 @@ def make_config(
     served = parse_ranks(ranks, ParallelPlan.from_json(plan_json).world_size)
     if endpoint is not None:
         check_endpoint(endpoint)
+    if remote_endpoint is not None and not check_endpoint(remote_endpoint).startswith("tcp://"):
+        raise InvalidInput(f"remote workers join over tcp://HOST:PORT, got {remote_endpoint}")
     if index is not None:
         index = str(Path(index).resolve())
         if not Path(index).is_file():
@@ -194,6 +215,8 @@ def make_config(
         stats_interval=stats_interval,
         assign_fn=assign_fn,
         ranks=served,
+        remote_endpoint=remote_endpoint,
+        remote_timeout=remote_timeout,
     )
 
 

@@ -126,6 +126,14 @@ class SkipRecord:
             ]
         )
 
+    def add_epoch_left_out(self, epoch: int, rows: Any, dp: int, microbatches: int) -> None:
+        """The rows an epoch's too-small last global batch leaves out, with the reason."""
+        why = (
+            f"the last global batch of epoch {epoch} has {len(rows)} sample(s), too few for "
+            f"dp {dp} x {microbatches} microbatches"
+        )
+        self.add_left_out([int(r) for r in rows], epoch, why)
+
     def over_budget(self) -> SampleError | None:
         """The error that stops the service once more samples were skipped than allowed."""
         limit = self.budget.limit(self.samples)

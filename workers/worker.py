@@ -20,6 +20,8 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +32,7 @@ from entrain_data.errors import EntrainError, InvalidInput, error_fields
 
 from .sample_source import Packed, Packer, SampleSource
 
-__all__ = ["Packed", "run_worker"]
+__all__ = ["Packed", "run_worker", "run_remote_worker"]
 
 log = logging.getLogger(__name__)
 
@@ -47,45 +49,102 @@ def run_worker(
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    ident = f"w{index}.{generation}".encode()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, f"w{index}.{generation}".encode())
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.setsockopt(zmq.SNDTIMEO, 1000)
+    sock.connect(endpoint)
+    try:
+        _serve_tasks(sock, source, f"worker {index}", _parent_gone_check(), heartbeat=False)
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+def run_remote_worker(
+    endpoint: str,
+    source: SampleSource,
+    *,
+    curve_server_key: bytes | None = None,
+    name: str | None = None,
+) -> None:
+    """A worker on another host (``entrain-data worker --connect``): joins a service over tcp.
+
+    It says ``ready`` with its source's identity (the service refuses a worker that
+    would pack another index), then sends a heartbeat whenever it is idle, so the
+    service can tell a dead remote worker from a busy one and re-issue its tasks.
+    CURVE encrypts and authenticates the connection when the service's key is given.
+    """
+    ident = (name or f"x{socket.gethostname()}-{os.getpid()}").encode()
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, ident)
     sock.setsockopt(zmq.LINGER, 1000)
     sock.setsockopt(zmq.SNDTIMEO, 1000)
+    if curve_server_key is not None:
+        pub, sec = zmq.curve_keypair()
+        sock.curve_serverkey = curve_server_key
+        sock.curve_publickey, sock.curve_secretkey = pub, sec
     sock.connect(endpoint)
-    parent = _parent_gone_check()
+    deadline: list[float] = [0.0]
+
+    def gone() -> bool:  # a result that cannot leave in 10 s is dropped (the task is re-issued)
+        if deadline[0] == 0.0:
+            deadline[0] = time.monotonic() + 10.0
+        if time.monotonic() > deadline[0]:
+            deadline[0] = 0.0
+            return True
+        return False
+
     try:
-        try:
-            packer = source.make_packer()
-        except Exception as exc:  # a configuration error: every worker would fail the same way
-            err = exc if isinstance(exc, EntrainError) else InvalidInput(f"packer: {exc}")
-            _send(sock, protocol.encode("failed", {"task": None, **error_fields(err)}), parent)
-            return
-        sock.send_multipart(protocol.encode("ready", {"worker": index, "pid": os.getpid()}))
-        while True:
-            if not sock.poll(_POLL_MS):
-                if parent():  # coordinator gone: do not linger as an orphan
-                    log.warning("worker %d: coordinator gone, exiting", index)
-                    return
-                continue
-            frames = sock.recv_multipart(copy=False)
-            try:
-                msg = protocol.decode(frames)
-            except EntrainError as exc:
-                log.error("worker %d: dropped a malformed message: %s", index, exc)
-                continue
-            if msg.kind == "stop":
-                return
-            if msg.kind != "task":
-                log.error("worker %d: unexpected %r message", index, msg.kind)
-                continue
-            if not _send(sock, _run_task(packer, msg.header), parent):
-                log.warning("worker %d: coordinator gone, exiting", index)
-                return
+        _serve_tasks(sock, source, ident.decode(), gone, heartbeat=True)
     finally:
         sock.close(linger=0)
         ctx.term()
+
+
+def _serve_tasks(
+    sock: zmq.Socket,
+    source: SampleSource,
+    label: str,
+    gone: Callable[[], bool],
+    *,
+    heartbeat: bool,
+) -> None:
+    """Build the packer, say ready, then pack every task until ``stop`` (or the service is gone)."""
+    try:
+        packer = source.make_packer()
+    except Exception as exc:  # a configuration error: every worker would fail the same way
+        err = exc if isinstance(exc, EntrainError) else InvalidInput(f"packer: {exc}")
+        _send(sock, protocol.encode("failed", {"task": None, **error_fields(err)}), gone)
+        return
+    # a remote worker proves it packs the same samples (local ones share the source object)
+    identity = getattr(source, "identity", lambda: None)() if heartbeat else None
+    ready = {"pid": os.getpid(), "source": identity, "remote": heartbeat}
+    sock.send_multipart(protocol.encode("ready", ready))
+    while True:
+        if not sock.poll(_POLL_MS):
+            if heartbeat:
+                _send(sock, protocol.encode("heartbeat", {}), gone)
+            elif gone():  # coordinator gone: do not linger as an orphan
+                log.warning("%s: coordinator gone, exiting", label)
+                return
+            continue
+        frames = sock.recv_multipart(copy=False)
+        try:
+            msg = protocol.decode(frames)
+        except EntrainError as exc:
+            log.error("%s: dropped a malformed message: %s", label, exc)
+            continue
+        if msg.kind == "stop":
+            return
+        if msg.kind != "task":
+            log.error("%s: unexpected %r message", label, msg.kind)
+            continue
+        if not _send(sock, _run_task(packer, msg.header), gone) and not heartbeat:
+            log.warning("%s: coordinator gone, exiting", label)
+            return
 
 
 def _parent_gone_check() -> Callable[[], bool]:

@@ -1,0 +1,107 @@
+"""Remote workers (issue 13 item 4, first half): ``entrain-data worker --connect`` joins a service
+over tcp with CURVE, packs its tasks, and a remote worker killed with SIGKILL mid-epoch loses
+nothing (its tasks are re-issued once it falls silent). Loopback only."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import zmq
+from _dist import free_port
+from test_service import assert_exactly_once, close_all, make_index_plan, make_shards
+
+from entrain_data.client import EntrainLoader
+from entrain_data.metadata import read_index
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _worker(endpoint: str, index, plan, key: bytes, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "entrain_data.cli", "worker", "--connect", endpoint,
+         "--index", str(index), "--plan", str(plan), "--curve-server-key", key.decode(), *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def _remotes(loader) -> list[dict]:
+    return [w for w in loader.stats()["workers"] if w["remote"]]
+
+
+@pytest.mark.slow
+def test_remote_workers_join_over_curve_and_a_killed_one_loses_nothing(tmp_path):
+    from entrain_data.workers.service import start_service
+
+    index = make_shards(tmp_path)
+    plan = make_index_plan().save(tmp_path / "plan.json")
+    pub, sec = zmq.curve_keypair()
+    remote = f"tcp://127.0.0.1:{free_port()}"
+    svc = start_service(
+        index=index, plan=plan, workers=1, window=2, curve_public_key=pub, curve_secret_key=sec,
+        remote_endpoint=remote, remote_timeout=3.0, socket_dir=str(tmp_path / "entrain-sock"),
+    )  # fmt: skip
+    procs = [_worker(remote, index, plan, pub) for _ in range(2)]
+    loaders = [
+        EntrainLoader(svc.endpoint, r, prefetch=1, timeout=90, curve_server_key=pub) for r in (0, 1)
+    ]
+    try:
+        deadline = time.monotonic() + 90
+        while len(_remotes(loaders[0])) < 2:
+            assert time.monotonic() < deadline, "remote workers did not join"
+            time.sleep(0.3)
+        its = [iter(ld) for ld in loaders]
+        out = {0: [next(its[0])], 1: [next(its[1])]}
+        os.kill(procs[0].pid, signal.SIGKILL)  # a remote worker dies mid-epoch
+        for r in (0, 1):
+            out[r].extend(its[r])
+        assert_exactly_once(out, list(read_index(index).keys))
+        stats = loaders[0].stats()
+        remotes = [w for w in stats["workers"] if w["remote"]]
+        assert len(remotes) == 1 and remotes[0]["tasks"] > 0  # the survivor worked
+        close_all(loaders)
+        assert svc.wait(30) == 0
+        assert procs[1].wait(30) == 0  # stopped with the job
+        assert "the service said stop" in procs[1].stdout.read()
+    finally:
+        close_all(loaders)
+        svc.close()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+
+
+@pytest.mark.slow
+def test_a_remote_worker_without_the_key_or_with_another_index_is_not_let_in(tmp_path):
+    from entrain_data.workers.service import start_service
+
+    index = make_shards(tmp_path)
+    (tmp_path / "other").mkdir()
+    other = make_shards(tmp_path / "other", per_shard=20)
+    plan = make_index_plan().save(tmp_path / "plan.json")
+    pub, sec = zmq.curve_keypair()
+    wrong_pub, _ = zmq.curve_keypair()
+    remote = f"tcp://127.0.0.1:{free_port()}"
+    svc = start_service(
+        index=index, plan=plan, workers=1, curve_public_key=pub, curve_secret_key=sec,
+        remote_endpoint=remote, socket_dir=str(tmp_path / "entrain-sock"),
+    )  # fmt: skip
+    procs = [_worker(remote, index, plan, wrong_pub), _worker(remote, other, plan, pub)]
+    ld = EntrainLoader(svc.endpoint, 0, timeout=90, curve_server_key=pub)
+    try:
+        assert procs[1].wait(60) == 0  # refused: another index (the service told it to stop)
+        time.sleep(1.0)
+        assert _remotes(ld) == []  # nobody joined: the keyless one cannot even connect
+        assert procs[0].poll() is None
+    finally:
+        ld.close()
+        svc.close()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
