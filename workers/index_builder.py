@@ -3,10 +3,13 @@
 Public API (stable; ``entrain-data index`` calls it):
 
 ``build_index(paths, *, tokenizer=None, progress=True, on_error="raise", parquet_columns=None,
-skipped=None) -> SampleTable``
+skipped=None, metadata=None, captions="first") -> SampleTable``
 
 - ``paths``: shards (``.tar``, ``.tgz``, ``.tar.gz``), tables (``.parquet``) and local folders of
-  loose files (:mod:`.loose_files`: ``name.jpg`` + ``name.txt``/``name.json``), brace patterns
+  loose files (:mod:`.loose_files`: ``name.jpg`` + ``name.txt``/``name.json``), metadata files
+  (:mod:`.metadata_source`: ``.json``/``.jsonl``/``.csv``, one sample per record; a folder holding
+  ``metadata`` (a file name) or ``metadata.jsonl``/``.csv``/``.parquet`` is read through it, its
+  fields mapped by ``parquet_columns``, list-of-captions text by ``captions``), brace patterns
   allowed (``data/shard-{000..127}.tar``); shards and tables may be ``s3://``, ``gs://`` or
   ``https://`` URLs (:mod:`.storage`), read by byte range: one pass over a shard in 4 MiB
   ranges (tar headers, text and audio members, the first 64 KiB of each image: its header).
@@ -15,7 +18,7 @@ skipped=None) -> SampleTable``
   headers (soundfile; ``wave`` as fallback), text tokens from ``tokenizer``: a Hugging Face
   tokenizer (anything with ``.encode``) or, by default, the byte-level tokenizer of
   :mod:`.tokenizer`, whose count is exact for the default packer (one token per UTF-8 byte plus
-  BOS/EOS; a fast estimate of a BPE count is about a quarter of it). Video members (``mp4``,
+  BOS/EOS; about 4x a BPE count: give the training tokenizer for exact counts). Video members (``mp4``,
   ``avi``, ...) are indexed from their container headers (PyAV) as vision items of
   :func:`.decode.sampled_frames` frames; a sample with only unknown members is an error.
 - Tables: ``parquet_columns`` maps roles to column names: ``key`` (default: ``"<file>:<row>"``),
@@ -26,7 +29,8 @@ skipped=None) -> SampleTable``
   ``{"bytes": ...}`` structs), whose sizes are then read from their headers. The mapping is
   stored in the index (``SampleTable.column_map``), so ``serve`` reads the rows the same way.
 - ``on_error``: ``raise`` stops at the first bad sample with a SampleError naming shard and key;
-  ``skip`` leaves it out, logs it and appends ``{"key", "source", "error"}`` to ``skipped``.
+  ``skip`` leaves it out, logs it (debug) and appends ``{"key", "source", "error"}`` to
+  ``skipped`` (the CLI writes them to a file and prints one summary line).
 
 The result is validated by :class:`~entrain_data.metadata.SampleTable` (unique keys, sizes >= 1...).
 """
