@@ -68,3 +68,18 @@ def test_tokenizer_help_says_what_the_default_counts():
     act = next(a for a in _index_parser()._actions if "--tokenizer" in a.option_strings)
     assert "estimate" not in act.help
     assert "UTF-8 byte" in act.help and "4x" in act.help and "exact" in act.help
+
+
+def test_quiet_folder_index_prints_nothing(tmp_path):
+    from PIL import Image
+
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    Image.new("RGB", (8, 8)).save(folder / "a.png")
+    (folder / "a.txt").write_text("a black square")
+    (folder / "README.md").write_text("not a sample")  # passed over: a note, unless -q
+    index = tmp_path / "index.parquet"
+    p = run_index(str(folder), "-o", str(index), "-q")
+    assert p.returncode == 0 and p.stdout == p.stderr == ""
+    p = run_index(str(folder), "-o", str(index))
+    assert "passed over 1 file group(s)" in p.stderr and "wrote " in p.stdout

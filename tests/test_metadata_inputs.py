@@ -144,3 +144,17 @@ def test_unknown_field_is_named(tmp_path):
     folder = _folder(tmp_path, [json.dumps({"file_name": "a.png", "text": "t"})])
     with pytest.raises(InvalidInput, match=r"field 'caption' \(for 'text'\) not in the record"):
         build_index(str(folder), parquet_columns={"text": "caption"}, progress=False)
+
+
+@pytest.mark.shared_data
+def test_coco_mini_hints_name_the_metadata_file_and_the_path_field(shared_data):
+    coco = shared_data / "coco_mini"
+    with pytest.raises(SampleError, match=r"no text member.*--metadata captions.jsonl"):
+        build_index(str(coco), progress=False)
+    with pytest.raises(SampleError, match=r"captions.jsonl:1: cannot read .*--column media=path"):
+        build_index(
+            str(coco),
+            metadata="captions.jsonl",
+            parquet_columns={"text": "captions"},
+            progress=False,
+        )

@@ -51,6 +51,8 @@ def cmd_index(args: argparse.Namespace) -> int:
             if not sep:
                 raise InvalidInput(f"--column must be FIELD=COLUMN, got {item!r}")
             columns[field] = column
+    if args.quiet:  # per-folder notes too; errors still reach the terminal
+        logging.getLogger("entrain_data").setLevel(logging.ERROR)
     skipped: list[dict[str, str]] = []
     table = build_index(
         args.inputs,

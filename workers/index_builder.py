@@ -285,6 +285,22 @@ def _unique_keys(records: list[SampleMeta]) -> list[SampleMeta]:
     ]
 
 
+def _hint_metadata(folder: str, exc: SampleError) -> None:
+    """A folder of media without sidecar text but with a JSON/JSONL/CSV file: name it."""
+    order = (".jsonl", ".csv", ".json")  # one record per line first: likelier a sample list
+    cands = sorted(
+        (n for n in os.listdir(folder) if n.endswith(order) and n[0] != "."),
+        key=lambda n: ([n.endswith(x) for x in order].index(True), n),
+    )
+    if cands:
+        raise SampleError(
+            f"{exc}; if a metadata file describes the samples, give --metadata "
+            f"{' or '.join(cands[:3])} (and --column text=FIELD, media=FIELD as needed)",
+            source=exc.source,
+            key=exc.key,
+        ) from exc
+
+
 def _resolve_inputs(files: Sequence[str], metadata: str | None) -> list[str]:
     """Folders read through a metadata file become that file; the rest stay as given."""
     out = []
@@ -349,6 +365,8 @@ def build_index(
                 try:
                     recs = index_shard(path, tok, on_error=on_error, skipped=skipped)
                 except SampleError as exc:
+                    if on_error == "raise" and "no text member" in str(exc) and is_dir(path):
+                        _hint_metadata(path, exc)
                     if on_error == "raise" or exc.key is not None:
                         raise
                     log.debug("index: skipping unreadable shard %s", exc)  # no key to name

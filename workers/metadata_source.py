@@ -259,11 +259,25 @@ class MetadataSource:
                     out[ext] = f.read() if n is None else f.read(n)
             except OSError as exc:
                 raise SampleError(
-                    f"{self.path}:{line}: cannot read {ref} ({exc.strerror or exc})",
+                    f"{self.path}:{line}: cannot read {ref} ({exc.strerror or exc})"
+                    + self._hint(obj, ref),
                     source=self.path,
                     key=member,
                 ) from exc
         return out
+
+    def _hint(self, obj: Mapping[str, Any], missing: str) -> str:
+        """Another field of the record naming an existing file of that name, to map instead."""
+        base = os.path.basename(missing)
+        for field, v in obj.items():
+            if (
+                isinstance(v, str)
+                and field not in self.columns.values()
+                and os.path.basename(v) == base
+                and os.path.isfile(os.path.join(self.root, v))
+            ):
+                return f"; field {field!r} names an existing file: --column media={field}"
+        return ""
 
     def _text(self, line: int, obj: Mapping[str, Any], cap: int | None, member: str) -> bytes:
         field = self.columns["text"]
