@@ -158,3 +158,25 @@ def test_coco_mini_hints_name_the_metadata_file_and_the_path_field(shared_data):
             parquet_columns={"text": "captions"},
             progress=False,
         )
+
+
+@pytest.mark.parametrize("name", ["llava.json", "meta.jsonl"])
+def test_workers_read_one_record_at_its_offset(tmp_path, name):
+    from entrain_data.workers.metadata_source import MetadataSource
+
+    recs = [
+        {"image": "a.png", "conversations": [{"from": "human", "value": f"été {i} <image>"}]}
+        for i in range(5)
+    ]
+    lines = [json.dumps(r, ensure_ascii=False) for r in recs]
+    body = ["[\n" + ",\n".join(lines) + "\n]"] if name.endswith(".json") else lines
+    _folder(tmp_path, body, name)
+    eager = MetadataSource(tmp_path / name)
+    lazy = MetadataSource(tmp_path / name, eager.columns, lazy=True)
+    members = eager.keys()
+    first = 2 if name.endswith(".json") else 1  # the line where each record starts
+    assert [eager.line(m) for m in members] == list(range(first, first + 5))
+    assert all("@" in m for m in members)  # record@line:byte offset
+    for m in reversed(members):
+        assert lazy.read(m) == eager.read(m) and lazy.line(m) == eager.line(m)
+    assert lazy._records is None  # nothing parsed but the records asked for

@@ -58,55 +58,95 @@ def is_metadata_file(path: str) -> bool:
     return path.endswith(_SUFFIXES) or os.path.basename(path) == "metadata.parquet"
 
 
-def _json_records(path: str, text: str) -> list[tuple[int, Any]]:
-    """(line, record) of a JSON array, keeping each record's line for error messages."""
+Record = tuple[int, int, Any]
+"""(line where the record starts, its byte offset or -1, the record)."""
+
+
+def _json_records(path: str, text: str) -> list[Record]:
+    """Records of a JSON array (or one object), with the line and byte offset of each."""
     dec = json.JSONDecoder()
+    ascii_only = text.isascii()
+    at, byte = 0, 0  # byte offset of text[at], advanced incrementally (non-ASCII text)
+
+    def where(i: int) -> tuple[int, int]:
+        nonlocal at, byte
+        if not ascii_only:
+            byte += len(text[at:i].encode("utf-8"))
+            at = i
+        return text.count("\n", 0, i) + 1, i if ascii_only else byte
+
     i = len(text) - len(text.lstrip())
     if text[i : i + 1] != "[":
         obj, _ = dec.raw_decode(text, i)  # a single object: one record
-        return [(text.count("\n", 0, i) + 1, obj)]
-    out: list[tuple[int, Any]] = []
+        return [(*where(i), obj)]
+    out: list[Record] = []
     i += 1
     while True:
         while i < len(text) and text[i] in " \t\r\n,":
             i += 1
         if i >= len(text) or text[i] == "]":
             return out
-        line = text.count("\n", 0, i) + 1
-        try:
-            obj, i = dec.raw_decode(text, i)
-        except json.JSONDecodeError as exc:
-            raise InvalidInput(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from exc
-        out.append((line, obj))
+        line, off = where(i)
+        obj, i = dec.raw_decode(text, i)
+        out.append((line, off, obj))
 
 
-def read_records(path: str) -> list[tuple[int, Any]]:
-    """(line number, record) of every record of a metadata file; InvalidInput names file:line."""
+def _jsonl_records(path: str) -> list[Record]:
+    out: list[Record] = []
+    off = 0
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if raw.strip():
+                try:
+                    out.append((n, off, json.loads(raw)))
+                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                    msg = getattr(exc, "msg", str(exc))
+                    raise InvalidInput(f"{path}:{n}: not valid JSON ({msg})") from exc
+            off += len(raw)
+    return out
+
+
+def read_records(path: str) -> list[Record]:
+    """Every record of a metadata file (see :data:`Record`); InvalidInput names file:line."""
     try:
         if path.endswith(".parquet"):
             import pyarrow.parquet as pq
 
-            return [(i + 2, r) for i, r in enumerate(pq.read_table(path).to_pylist())]
+            return [(i + 2, -1, r) for i, r in enumerate(pq.read_table(path).to_pylist())]
+        if path.endswith(".jsonl"):
+            return _jsonl_records(path)
         with open(path, encoding="utf-8", newline="") as f:
             if path.endswith(".csv"):
                 # line of each row: the header is line 1 (quoted newlines shift it; rare in metadata)
-                return [(i + 2, dict(r)) for i, r in enumerate(csv.DictReader(f))]
+                return [(i + 2, -1, dict(r)) for i, r in enumerate(csv.DictReader(f))]
             text = f.read()
     except (OSError, UnicodeDecodeError, ValueError) as exc:
+        if isinstance(exc, InvalidInput):
+            raise
         raise InvalidInput(f"{path}: cannot read metadata file ({exc})") from exc
-    if path.endswith(".jsonl"):
-        out = []
-        for n, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                try:
-                    out.append((n, json.loads(line)))
-                except json.JSONDecodeError as exc:
-                    raise InvalidInput(f"{path}:{n}: not valid JSON ({exc.msg})") from exc
-        return out
     try:
         return _json_records(path, text)
     except json.JSONDecodeError as exc:
         raise InvalidInput(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from exc
+
+
+def read_record_at(path: str, offset: int) -> Any:
+    """One JSON record starting at byte ``offset`` (a JSONL line or an element of a JSON array):
+    what a worker reads, instead of parsing the whole file (LLaVA's is ~1 GB)."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        if path.endswith(".jsonl"):
+            return json.loads(f.readline())
+        buf, size = b"", 1 << 16
+        while True:
+            chunk = f.read(size)
+            buf += chunk
+            try:
+                return json.JSONDecoder().raw_decode(buf.decode("utf-8", errors="ignore"))[0]
+            except json.JSONDecodeError:
+                if not chunk:
+                    raise
+                size *= 2
 
 
 def resolve_columns(
@@ -116,7 +156,7 @@ def resolve_columns(
     cols = dict(columns or {})
     if not records:
         raise InvalidInput(f"{path}: metadata file has no records")
-    line, first = records[0]
+    line, _off, first = records[0]
     if not isinstance(first, Mapping):
         raise InvalidInput(f"{path}:{line}: record is a {type(first).__name__}, not an object")
     unknown = sorted(set(cols) - {"text", "key", *_MEDIA_FIELDS})
@@ -145,28 +185,59 @@ def resolve_columns(
 
 
 class MetadataSource:
-    """The records of one metadata file as samples (module doc); members are record numbers."""
+    """The records of one metadata file as samples (module doc).
+
+    Members are ``"<record>"`` or, where the file allows seeking (JSON, JSONL),
+    ``"<record>@<line>:<byte offset>"``, plus ``"#<caption>"`` under ``captions="each"``. With
+    ``lazy`` (serving: ``columns`` is the mapping resolved at index time) the file is not parsed
+    at open; each record is read at its offset when asked for.
+    """
 
     def __init__(
-        self, path: str | os.PathLike, columns: Mapping[str, str] | None = None, captions: str = ""
+        self,
+        path: str | os.PathLike,
+        columns: Mapping[str, str] | None = None,
+        captions: str = "",
+        *,
+        lazy: bool = False,
     ) -> None:
         self.path = os.fspath(path)
         self.root = os.path.dirname(os.path.abspath(self.path))
-        self._records = read_records(self.path)
-        self.columns = resolve_columns(self.path, self._records, columns)
+        self._records: list[Record] | None = None
+        if lazy and columns and "text" in columns:
+            self.columns = dict(columns)
+        else:
+            self._records = read_records(self.path)
+            self.columns = resolve_columns(self.path, self._records, columns)
         if captions not in ("", "first", "each"):
             raise InvalidInput(f"captions must be 'first' or 'each', got {captions!r}")
         self.captions = captions or "first"
 
+    def _load(self, rec: int, where: str) -> tuple[int, Any]:
+        if where and self._records is None:  # serving: read the one record at its offset
+            line, _, off = where.partition(":")
+            try:
+                return int(line), read_record_at(self.path, int(off))
+            except (OSError, ValueError) as exc:  # JSONDecodeError is a ValueError
+                raise SampleError(
+                    f"{self.path}:{line}: cannot read the record at byte {off} ({exc}; "
+                    "file changed since indexing?)",
+                    source=self.path,
+                    key=str(rec),
+                ) from exc
+        if self._records is None:
+            self._records = read_records(self.path)
+        line, _off, obj = self._records[rec]
+        return line, obj
+
     def _record(self, member: str) -> tuple[int, Mapping[str, Any], int | None]:
-        rec, _, cap = member.partition("#")
+        head, _, cap = member.partition("#")
+        rec, _, where = head.partition("@")
         try:
-            line, obj = self._records[int(rec)]
+            line, obj = self._load(int(rec), where)
         except (ValueError, IndexError):
             raise SampleError(
-                f"{self.path}: no record {member!r} ({len(self._records)} records; stale index?)",
-                source=self.path,
-                key=member,
+                f"{self.path}: no record {member!r} (stale index?)", source=self.path, key=member
             ) from None
         if not isinstance(obj, Mapping):
             raise SampleError(
@@ -178,21 +249,26 @@ class MetadataSource:
 
     def line(self, member: str) -> int:
         """The line of the metadata file where the record of ``member`` starts (0 if none)."""
+        head = member.partition("#")[0]
+        rec, _, where = head.partition("@")
         try:
-            return self._records[int(member.partition("#")[0])][0]
+            return int(where.partition(":")[0]) if where else self._load(int(rec), "")[0]
         except (ValueError, IndexError):
             return 0
 
     def keys(self) -> list[str]:
-        """Members: ``"<record>"``, or ``"<record>#<caption>"`` under ``captions="each"``."""
+        """Every member (class doc), in file order."""
+        if self._records is None:
+            self._records = read_records(self.path)
         out = []
         field = self.columns["text"]
-        for i, (_line, obj) in enumerate(self._records):
+        for i, (line, off, obj) in enumerate(self._records):
             v = obj.get(field) if isinstance(obj, Mapping) else None
+            m = f"{i}@{line}:{off}" if off >= 0 else str(i)
             if self.captions == "each" and _is_captions(v):
-                out.extend(f"{i}#{j}" for j in range(len(v)))
+                out.extend(f"{m}#{j}" for j in range(len(v)))
             else:
-                out.append(str(i))
+                out.append(m)
         return out
 
     def key(self, member: str) -> str:
