@@ -402,7 +402,7 @@ def open_source(path: str | os.PathLike, **options: Any) -> Source:
     from .metadata_source import MetadataSource, is_metadata_file
 
     if is_metadata_file(p):
-        return MetadataSource(p, meta_columns)
+        return MetadataSource(p, meta_columns, lazy=True)
     if storage.is_dir(p):
         from .loose_files import DirectorySource
 
