@@ -180,3 +180,19 @@ def test_workers_read_one_record_at_its_offset(tmp_path, name):
     for m in reversed(members):
         assert lazy.read(m) == eager.read(m) and lazy.line(m) == eager.line(m)
     assert lazy._records is None  # nothing parsed but the records asked for
+
+
+def test_imagefolder_metadata_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from entrain_data.workers.metadata_source import MetadataSource
+
+    _folder(tmp_path, [])
+    (tmp_path / "metadata.jsonl").unlink()
+    rows = [{"file_name": "a.png", "caption": "red"}, {"file_name": "a.png", "caption": "again"}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "metadata.parquet")
+    t = build_index(str(tmp_path), progress=False)
+    assert list(t.keys) == ["metadata.parquet:1", "metadata.parquet:2"]  # rows from 1
+    assert [int(n) for n in t.text_tokens] == [5, 7]
+    served = MetadataSource(tmp_path / "metadata.parquet", t.column_map, lazy=True)
+    assert served.read(str(t.members[1]), ["txt"]) == {"txt": b"again"}

@@ -112,7 +112,8 @@ def read_records(path: str) -> list[Record]:
         if path.endswith(".parquet"):
             import pyarrow.parquet as pq
 
-            return [(i + 2, -1, r) for i, r in enumerate(pq.read_table(path).to_pylist())]
+            rows = pq.read_table(path).to_pylist()  # "line": the row number, from 1
+            return [(i + 1, -1, r) for i, r in enumerate(rows)]
         if path.endswith(".jsonl"):
             return _jsonl_records(path)
         with open(path, encoding="utf-8", newline="") as f:
