@@ -17,7 +17,8 @@ kind follows the file; paths relative to the metadata file's folder).
 ``conversations``, ``text``, ``caption``, ``captions`` present), ``media`` (kind from each
 file's suffix; default ``file_name``), ``image`` / ``audio`` / ``video`` (defaults: ``image`` or
 ``images``, ``audio`` or ``audios``, ``video`` or ``videos``), ``key`` (default
-``"<metadata file name>:<record>"``).
+``"<metadata file name>:<line>"``, the line where the record starts; Parquet: its row
+number from 1).
 
 A list of strings as text (COCO's five captions) is one sample with the *first* caption by
 default: one image decode per record and a deterministic epoch, priced exactly. With
