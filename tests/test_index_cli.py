@@ -37,9 +37,11 @@ def test_skip_quiet_is_one_summary_line(tmp_path):
     with open(where) as f:
         written = [json.loads(s) for s in f]
     assert sorted(s["key"] for s in written) == sorted(bad)
-    p = run_index(str(shard), "-o", str(index), "--on-error", "skip", "--skipped", "s.jsonl")
+    mine = tmp_path / "s.jsonl"
+    p = run_index(str(shard), "-o", str(index), "--on-error", "skip", "--skipped", str(mine))
     assert p.returncode == 0 and "wrote " in p.stdout and "skipping" not in p.stderr
-    assert p.stderr.splitlines()[-1] == "skipped 30 sample(s); keys and errors in s.jsonl"
+    assert p.stderr.splitlines()[-1] == f"skipped 30 sample(s); keys and errors in {mine}"
+    assert len(mine.read_text().splitlines()) == 30
 
 
 def _index_parser() -> argparse.ArgumentParser:
