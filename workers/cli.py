@@ -51,6 +51,8 @@ def cmd_index(args: argparse.Namespace) -> int:
             if not sep:
                 raise InvalidInput(f"--column must be FIELD=COLUMN, got {item!r}")
             columns[field] = column
+    if args.quiet:  # per-folder notes too; errors still reach the terminal
+        logging.getLogger("entrain_data").setLevel(logging.ERROR)
     skipped: list[dict[str, str]] = []
     table = build_index(
         args.inputs,
@@ -59,16 +61,19 @@ def cmd_index(args: argparse.Namespace) -> int:
         on_error=args.on_error,
         parquet_columns=columns,
         skipped=skipped,
+        metadata=args.metadata,
+        captions=args.captions,
     )
     write_index(table, args.output)
-    print(
-        f"wrote {args.output}: {len(table)} samples, {int(table.image_counts.sum())} images, "
-        f"{int(table.audio_counts.sum())} audio clips"
-    )
-    if skipped:
-        print(f"skipped {len(skipped)} sample(s)", file=sys.stderr)
-        if args.skipped:
-            Path(args.skipped).write_text("".join(json.dumps(s) + "\n" for s in skipped))
+    if not args.quiet:
+        print(
+            f"wrote {args.output}: {len(table)} samples, {int(table.image_counts.sum())} images, "
+            f"{int(table.audio_counts.sum())} audio clips"
+        )
+    if skipped:  # one line, quiet or not: the keys are in the file, not on the terminal
+        where = Path(args.skipped or f"{args.output}.skipped.jsonl")
+        where.write_text("".join(json.dumps(s) + "\n" for s in skipped))
+        print(f"skipped {len(skipped)} sample(s); keys and errors in {where}", file=sys.stderr)
     return 0
 
 
@@ -167,32 +172,72 @@ class _DefaultsShown(argparse.HelpFormatter):
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``index`` and ``serve`` to the ``entrain-data`` parser."""
     p = subparsers.add_parser(
-        "index", help="build the Parquet index of WebDataset shards, tables or folders"
+        "index",
+        help="build the Parquet index of WebDataset shards, tables or folders",
+        formatter_class=_DefaultsShown,
     )
     p.add_argument(
         "inputs",
         nargs="+",
-        metavar="SHARDS_TABLES_OR_FOLDERS",
+        metavar="INPUT",
         help="tar shards (brace patterns allowed), Parquet tables, folders of loose files "
-        "(name.jpg + name.txt/name.json); shards and tables may be s3://, gs://, https:// URLs",
+        "(name.jpg + name.txt/name.json), folders with a metadata.jsonl/.csv/.parquet "
+        "(ImageFolder), JSON/JSONL/CSV metadata files (LLaVA, ShareGPT); shards and tables may "
+        "be s3://, gs://, https:// URLs",
     )
     p.add_argument("-o", "--output", required=True, metavar="INDEX", help="output Parquet index")
     p.add_argument(
         "--tokenizer",
         default=None,
-        help="Hugging Face tokenizer name or path (default: a fast estimate)",
+        help="Hugging Face tokenizer name or path: its exact token counts (default: byte-level, "
+        "one token per UTF-8 byte plus BOS/EOS; exact for the default packer, about 4x a "
+        "word-piece or BPE count, so give the tokenizer you train with for exact counts)",
     )
     p.add_argument(
         "--column",
         dest="columns",
         action="append",
         metavar="FIELD=COLUMN",
-        help="map a field (text, image, audio, key, ...) to a Parquet column (repeatable); "
-        "stored in the index, so serve reads the rows the same way",
+        help="map a field to a Parquet column or metadata field (repeatable). Parquet: text, "
+        "text_tokens, image, audio (bytes), key, ... Metadata files: text, media (file_name), "
+        "image, audio, video (file paths), key. Stored in the index, so serve reads the same "
+        "way (default: text; metadata: file_name, messages/conversations/text/caption(s), "
+        "image(s), audio(s), video(s) as present)",
     )
-    p.add_argument("--on-error", choices=("raise", "skip"), default="raise")
-    p.add_argument("--skipped", metavar="PATH", help="write skipped samples (JSON lines) here")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--metadata",
+        default=None,
+        metavar="FILE",
+        help="read each folder INPUT through this JSON/JSONL/CSV/Parquet file inside it, one "
+        "sample per record (default: metadata.jsonl, .csv or .parquet if present, else "
+        "sidecar files)",
+    )
+    p.add_argument(
+        "--captions",
+        choices=("first", "each"),
+        default="first",
+        help="a text field holding a list of captions: one sample with the first caption "
+        "(one image decode per record) or one sample per caption",
+    )
+    p.add_argument(
+        "--on-error",
+        choices=("raise", "skip"),
+        default="raise",
+        help="a bad sample: stop naming its file and key/line, or leave it out and list it "
+        "in --skipped",
+    )
+    p.add_argument(
+        "--skipped",
+        metavar="PATH",
+        default=None,
+        help="where skipped samples are written (JSON lines; default: INDEX.skipped.jsonl)",
+    )
+    p.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="no progress bar and no summary; only a skipped-samples line and errors",
+    )
     p.set_defaults(handler=cmd_index)
 
     p = subparsers.add_parser(

@@ -3,10 +3,13 @@
 Public API (stable; ``entrain-data index`` calls it):
 
 ``build_index(paths, *, tokenizer=None, progress=True, on_error="raise", parquet_columns=None,
-skipped=None) -> SampleTable``
+skipped=None, metadata=None, captions="first") -> SampleTable``
 
 - ``paths``: shards (``.tar``, ``.tgz``, ``.tar.gz``), tables (``.parquet``) and local folders of
-  loose files (:mod:`.loose_files`: ``name.jpg`` + ``name.txt``/``name.json``), brace patterns
+  loose files (:mod:`.loose_files`: ``name.jpg`` + ``name.txt``/``name.json``), metadata files
+  (:mod:`.metadata_source`: ``.json``/``.jsonl``/``.csv``, one sample per record; a folder holding
+  ``metadata`` (a file name) or ``metadata.jsonl``/``.csv``/``.parquet`` is read through it, its
+  fields mapped by ``parquet_columns``, list-of-captions text by ``captions``), brace patterns
   allowed (``data/shard-{000..127}.tar``); shards and tables may be ``s3://``, ``gs://`` or
   ``https://`` URLs (:mod:`.storage`), read by byte range: one pass over a shard in 4 MiB
   ranges (tar headers, text and audio members, the first 64 KiB of each image: its header).
@@ -15,7 +18,7 @@ skipped=None) -> SampleTable``
   headers (soundfile; ``wave`` as fallback), text tokens from ``tokenizer``: a Hugging Face
   tokenizer (anything with ``.encode``) or, by default, the byte-level tokenizer of
   :mod:`.tokenizer`, whose count is exact for the default packer (one token per UTF-8 byte plus
-  BOS/EOS; a fast estimate of a BPE count is about a quarter of it). Video members (``mp4``,
+  BOS/EOS; about 4x a BPE count: give the training tokenizer for exact counts). Video members (``mp4``,
   ``avi``, ...) are indexed from their container headers (PyAV) as vision items of
   :func:`.decode.sampled_frames` frames; a sample with only unknown members is an error.
 - Tables: ``parquet_columns`` maps roles to column names: ``key`` (default: ``"<file>:<row>"``),
@@ -26,7 +29,8 @@ skipped=None) -> SampleTable``
   ``{"bytes": ...}`` structs), whose sizes are then read from their headers. The mapping is
   stored in the index (``SampleTable.column_map``), so ``serve`` reads the rows the same way.
 - ``on_error``: ``raise`` stops at the first bad sample with a SampleError naming shard and key;
-  ``skip`` leaves it out, logs it and appends ``{"key", "source", "error"}`` to ``skipped``.
+  ``skip`` leaves it out, logs it (debug) and appends ``{"key", "source", "error"}`` to
+  ``skipped`` (the CLI writes them to a file and prints one summary line).
 
 The result is validated by :class:`~entrain_data.metadata.SampleTable` (unique keys, sizes >= 1...).
 """
@@ -45,6 +49,7 @@ from entrain_data.metadata import SampleMeta, SampleTable, VisionItem
 
 from . import decode
 from .loose_files import DirectorySource
+from .metadata_source import METADATA_NAMES, MetadataSource, is_metadata_file
 from .sources import PARQUET_SUFFIXES, TarShard, expand_paths, row_members
 from .storage import INDEX_BLOCK, is_dir, open_parquet
 from .tokenizer import TextTokenizer, as_tokenizer, count_text_tokens
@@ -87,7 +92,9 @@ _HEADER_BYTES = 1 << 16
 """Bytes of an image member the index reads first: its header (size) lies in them nearly always."""
 
 
-def _read_for_index(src: TarShard | DirectorySource, member: str) -> dict[str, bytes]:
+def _read_for_index(
+    src: TarShard | DirectorySource | MetadataSource, member: str
+) -> dict[str, bytes]:
     """A sample's members as the index needs them: text and audio whole, images by header.
 
     An image's size is in its first bytes, so a large picture costs 64 KiB of reading; one whose
@@ -135,12 +142,60 @@ def index_shard(
             except SampleError as exc:
                 if on_error == "raise":
                     raise
-                log.warning("index: skipping %s", exc)
-                if skipped is not None:
-                    skipped.append({"key": member, "source": path, "error": str(exc)})
+                _skip(skipped, member, path, exc)
     finally:
         src.close()
     return out
+
+
+def _skip(skipped: list[dict[str, str]] | None, key: str, source: str, exc: Exception) -> None:
+    """Record a skipped sample; one debug line each (the CLI prints one summary line)."""
+    log.debug("index: skipping %s", exc)
+    if skipped is not None:
+        skipped.append({"key": key, "source": source, "error": str(exc)})
+
+
+def index_metadata(
+    path: str,
+    tokenizer: TextTokenizer,
+    columns: Mapping[str, str] | None = None,
+    *,
+    captions: str = "first",
+    on_error: str = "raise",
+    skipped: list[dict[str, str]] | None = None,
+) -> tuple[list[SampleMeta], dict[str, str]]:
+    """Records of every record of a metadata file (:mod:`.metadata_source`) and the resolved
+    column mapping (stored in the index, so ``serve`` reads the records the same way)."""
+    src = MetadataSource(path, columns, captions)
+    out: list[SampleMeta] = []
+    for member in src.keys():  # noqa: SIM118 - a source, not a dict
+        key = member
+        try:
+            key = src.key(member)
+            members = _read_for_index(src, member)
+            out.append(sample_meta_from_members(key, path, member, members, tokenizer))
+        except SampleError as exc:
+            where = f"{path}:{src.line(member)}:"  # a bad record names its file and line
+            msg = str(exc) if str(exc).startswith(where) else f"{where} {exc.__cause__ or exc}"
+            err = SampleError(msg, source=path, key=key)
+            if on_error == "raise":
+                raise err from exc
+            _skip(skipped, key, path, err)
+    return out, src.columns
+
+
+def metadata_file_of(folder: str, metadata: str | None = None) -> str | None:
+    """The metadata file a folder is read through: ``metadata`` (relative to the folder, or a
+    path), else the first of :data:`.metadata_source.METADATA_NAMES` present, else None."""
+    if metadata:
+        p = metadata if os.path.isabs(metadata) else os.path.join(folder, metadata)
+        if not os.path.isfile(p):
+            raise InvalidInput(f"metadata file not found: {p}")
+        return p
+    for name in METADATA_NAMES:
+        if os.path.isfile(os.path.join(folder, name)):
+            return os.path.join(folder, name)
+    return None
 
 
 def _as_list(v: Any) -> list[Any]:
@@ -212,9 +267,7 @@ def index_parquet(
             err = SampleError(f"{path}: row {row} (key {key!r}): {exc}", source=path, key=key)
             if on_error == "raise":
                 raise err from exc
-            log.warning("index: skipping %s", err)
-            if skipped is not None:
-                skipped.append({"key": key, "source": path, "error": str(err)})
+            _skip(skipped, key, path, err)
     return out
 
 
@@ -232,6 +285,33 @@ def _unique_keys(records: list[SampleMeta]) -> list[SampleMeta]:
     ]
 
 
+def _hint_metadata(folder: str, exc: SampleError) -> None:
+    """A folder of media without sidecar text but with a JSON/JSONL/CSV file: name it."""
+    order = (".jsonl", ".csv", ".json")  # one record per line first: likelier a sample list
+    cands = sorted(
+        (n for n in os.listdir(folder) if n.endswith(order) and n[0] != "."),
+        key=lambda n: ([n.endswith(x) for x in order].index(True), n),
+    )
+    if cands:
+        raise SampleError(
+            f"{exc}; if a metadata file describes the samples, give --metadata "
+            f"{' or '.join(cands[:3])} (and --column text=FIELD, media=FIELD as needed)",
+            source=exc.source,
+            key=exc.key,
+        ) from exc
+
+
+def _resolve_inputs(files: Sequence[str], metadata: str | None) -> list[str]:
+    """Folders read through a metadata file become that file; the rest stay as given."""
+    out = []
+    for p in files:
+        meta = metadata_file_of(p, metadata) if is_dir(p) else None
+        if meta is None and metadata and not is_dir(p):
+            raise InvalidInput(f"--metadata names a file inside a folder; {p} is not a folder")
+        out.append(meta or p)
+    return out
+
+
 def build_index(
     paths: str | os.PathLike | Iterable[str | os.PathLike],
     *,
@@ -240,31 +320,56 @@ def build_index(
     on_error: str = "raise",
     parquet_columns: Mapping[str, str] | None = None,
     skipped: list[dict[str, str]] | None = None,
+    metadata: str | None = None,
+    captions: str = "first",
 ) -> SampleTable:
-    """Index shards and tables (see module doc); keys must be unique across all inputs."""
+    """Index shards, tables, folders and metadata files (module doc); keys unique across all."""
     if on_error not in ("raise", "skip"):
         raise InvalidInput(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-    files: Sequence[str] = expand_paths(paths)
+    files: Sequence[str] = _resolve_inputs(expand_paths(paths), metadata)
     if not files:
         raise InvalidInput("build_index: no shards or tables given")
+    metas = [f for f in files if is_metadata_file(f)]
+    if metas and any(f.endswith(PARQUET_SUFFIXES) and f not in metas for f in files):
+        raise InvalidInput(
+            "index Parquet tables and metadata files separately (each index stores one mapping)"
+        )
     tok = as_tokenizer(tokenizer)
     records: list[SampleMeta] = []
+    meta_columns: dict[str, str] | None = None
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(files), unit="shard", desc="index", dynamic_ncols=True)
+        bar = tqdm(total=len(files), unit="file", desc="index", dynamic_ncols=True)
     try:
         for path in files:
-            if path.endswith(PARQUET_SUFFIXES):
+            if path in metas:
+                recs, cols = index_metadata(
+                    path,
+                    tok,
+                    parquet_columns,
+                    captions=captions,
+                    on_error=on_error,
+                    skipped=skipped,
+                )
+                if meta_columns is not None and cols != meta_columns:
+                    raise InvalidInput(
+                        f"{path}: fields {cols} differ from the other metadata files' "
+                        f"{meta_columns}; index them separately"
+                    )
+                meta_columns = cols
+            elif path.endswith(PARQUET_SUFFIXES):
                 recs = index_parquet(path, tok, parquet_columns, on_error=on_error, skipped=skipped)
             else:
                 try:
                     recs = index_shard(path, tok, on_error=on_error, skipped=skipped)
                 except SampleError as exc:
+                    if on_error == "raise" and "no text member" in str(exc) and is_dir(path):
+                        _hint_metadata(path, exc)
                     if on_error == "raise" or exc.key is not None:
                         raise
-                    log.error("index: skipping unreadable shard %s", exc)  # no key to name
+                    log.debug("index: skipping unreadable shard %s", exc)  # no key to name
                     if skipped is not None:
                         skipped.append({"key": "", "source": path, "error": str(exc)})
                     recs = []
@@ -278,7 +383,9 @@ def build_index(
     records = _unique_keys(records)
     origin = files[0] if len(files) == 1 else f"{files[0]} (+{len(files) - 1} more)"
     column_map = dict(parquet_columns or {})
-    if any(f.endswith(PARQUET_SUFFIXES) for f in files):
+    if meta_columns is not None:
+        column_map = meta_columns  # the fields as resolved, stated for serve
+    elif any(f.endswith(PARQUET_SUFFIXES) for f in files):
         if "text" not in column_map and "text_tokens" not in column_map:
             column_map["text"] = "text"  # index_parquet's default, stated for serve
     else:

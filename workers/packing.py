@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -44,7 +45,7 @@ from entrain_data.metadata import SampleTable, read_index
 from entrain_data.presets import ModelSpec, ModuleConfig, load_module
 
 from . import decode
-from .sources import SourceCache, row_members
+from .sources import SourceCache, open_source, row_members
 from .tokenizer import TextTokenizer, as_tokenizer, sample_text_ids
 from .transforms import SAMPLE_RATE, AudioTransform, VisionTransform, resize_rgb
 
@@ -236,7 +237,9 @@ class SamplePacker:
             on_error == "skip" if validate_deferred is None else validate_deferred
         )
         self.parquet_columns = dict(parquet_columns or {"text": "text"})
-        self.sources = SourceCache(max_open)
+        self.sources = SourceCache(  # metadata files read their records by the index's mapping
+            max_open, opener=partial(open_source, metadata_columns=table.column_map or None)
+        )
 
     # ---------------------------------------------------------------- reading
     def _items(self, row: int) -> tuple[list[tuple[int, int, int]], list[float]]:

@@ -398,6 +398,11 @@ class TorchDatasetSource:
 def open_source(path: str | os.PathLike, **options: Any) -> Source:
     """Open a shard or table by suffix; raises InvalidInput for an unknown kind."""
     p = os.fspath(path)
+    meta_columns = options.pop("metadata_columns", None)  # the index's mapping (metadata files)
+    from .metadata_source import MetadataSource, is_metadata_file
+
+    if is_metadata_file(p):
+        return MetadataSource(p, meta_columns, lazy=True)
     if storage.is_dir(p):
         from .loose_files import DirectorySource
 
