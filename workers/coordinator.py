@@ -88,6 +88,7 @@ class Coordinator:
             method=self.plan.method,
             seed=cfg.seed,
             assign_fn=cfg.assign_fn,
+            max_delay=getattr(self.plan, "max_delay", None),  # once plans carry it
         )
         self.shape = self.scheduler.shape
         self.end_pos = cfg.epochs * self.shape.per_epoch

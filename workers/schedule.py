@@ -38,6 +38,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+_CARRYING = frozenset({"wlb_llm"})  # methods whose assignment may delay samples (``carried``)
+
 
 @dataclass(frozen=True)
 class StreamShape:
@@ -123,6 +125,7 @@ class Scheduler:
         seed: int,
         cache: int = 8,
         assign_fn: Callable[..., Any] | None = None,
+        max_delay: int | None = None,
     ) -> None:
         self.encoder_cost = np.asarray(encoder_cost)
         self.llm_cost = np.asarray(llm_cost)
@@ -132,6 +135,9 @@ class Scheduler:
         self.max_tokens, self.defer_budget = max_tokens, defer_budget
         self.method, self.seed = method, int(seed)
         self.assign_fn = assign_fn or assign
+        self.max_delay = max_delay  # the plan's delay bound, once assign() takes one
+        self.carries = method in _CARRYING or bool(max_delay)  # iterations chain through carried
+        self._carried: dict[tuple[int, int], np.ndarray] = {}
         n = len(self.llm_cost)
         min_batch = self.dp * self.microbatches
         probe = epoch_batches(n, self.global_batch, min_batch, self.seed, 0)
@@ -165,10 +171,19 @@ class Scheduler:
         return self._batches[epoch]
 
     def slots(self, epoch: int, iteration: int) -> list[list[Slot]]:
-        """[replica][microbatch] -> :class:`Slot` for one iteration (assigned on first use)."""
+        """[replica][microbatch] -> :class:`Slot` for one iteration (assigned on first use).
+
+        A method that delays samples (``wlb_llm``'s outlier queue; ``max_delay``) returns
+        them in ``carried``: they are prepended to the next global batch of the epoch and
+        the epoch's last iteration flushes the queue, so every sample of the epoch is
+        served once and the chain stays a pure function of the seed (a resume in the
+        middle of an epoch re-assigns the iterations before it to rebuild the queue).
+        """
         key = (epoch, iteration)
         if key not in self._slots:
-            rows = self.batches(epoch)[iteration]
+            carried_in = self._carried_into(epoch, iteration)
+            rows = np.concatenate([carried_in, self.batches(epoch)[iteration]])
+            extra = {} if self.max_delay is None else {"max_delay": self.max_delay}
             t0 = time.perf_counter()
             a = self.assign_fn(
                 self.encoder_cost[rows],
@@ -181,12 +196,15 @@ class Scheduler:
                 method=self.method,
                 seed=self.seed,
                 iteration=epoch * self.shape.iterations + iteration,
+                flush=iteration == self.shape.iterations - 1,
+                **extra,
             )
             self.latencies.append(time.perf_counter() - t0)
-            if len(a.carried):
+            self._carried[key] = rows[np.asarray(a.carried, dtype=np.int64)]
+            if len(a.carried) and iteration == self.shape.iterations - 1:
                 raise InvalidInput(
-                    f"assignment method {self.method!r} carries samples across iterations; "
-                    "the loader serves only methods that keep every sample in its iteration"
+                    f"assignment method {self.method!r} carried {len(a.carried)} sample(s) past "
+                    f"the last iteration of epoch {epoch} although asked to flush"
                 )
             self._slots[key] = [
                 [
@@ -198,6 +216,20 @@ class Scheduler:
             while len(self._slots) > self._cache:
                 self._slots.pop(next(iter(self._slots)))
         return self._slots[key]
+
+    def _carried_into(self, epoch: int, iteration: int) -> np.ndarray:
+        """Rows the previous iteration of ``epoch`` delayed into this one (none for iteration 0)."""
+        if iteration == 0 or not self.carries:
+            return np.zeros(0, dtype=np.int64)
+        prev = (epoch, iteration - 1)
+        if prev not in self._carried:
+            for it in range(iteration):  # rebuild the queue in order (resume, evicted cache)
+                if (epoch, it) not in self._carried:
+                    self._slots.pop((epoch, it), None)
+                    self.slots(epoch, it)
+        for k in [k for k in self._carried if k[0] < epoch - 1]:
+            del self._carried[k]
+        return self._carried[prev]
 
     def slot(self, replica: int, position: int) -> Slot:
         epoch, it, mb = self.shape.locate(position)
