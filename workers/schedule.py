@@ -38,6 +38,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+_CARRYING = frozenset({"wlb_llm"})  # methods that delay samples by their own rule (``carried``)
+
 
 @dataclass(frozen=True)
 class StreamShape:
@@ -173,7 +175,7 @@ class Scheduler:
         """[replica][microbatch] -> :class:`Slot` for one iteration (assigned on first use)."""
         key = (epoch, iteration)
         if key not in self._slots:
-            if self.max_delay > 0:
+            if self.max_delay > 0 or self.method in _CARRYING:
                 self._assign_delayed(epoch, iteration)
             else:
                 rows = self.batches(epoch)[iteration]
@@ -187,13 +189,11 @@ class Scheduler:
     ) -> list[list[Slot]]:
         """Assign one global batch (``rows``); with ``ages``, returns its carried rows too."""
         t0 = time.perf_counter()
-        delay = {}
-        if ages is not None:
-            delay = dict(
-                max_delay=self.max_delay,
-                ages=ages,
-                flush=iteration == self.shape.iterations - 1,  # nothing leaves its epoch
-            )
+        delay: dict[str, Any] = {}
+        if ages is not None:  # nothing leaves its epoch: the last iteration flushes the queue
+            delay["flush"] = iteration == self.shape.iterations - 1
+            if self.max_delay > 0:
+                delay.update(max_delay=self.max_delay, ages=ages)
         a = self.assign_fn(
             self.encoder_cost[rows],
             self.llm_cost[rows],
@@ -215,6 +215,11 @@ class Scheduler:
                 "(entrain's opt-in bounded delay is plan.max_delay)"
             )
         self._last_carried = np.asarray(a.carried, dtype=np.int64)
+        if len(self._last_carried) and delay.get("flush"):
+            raise InvalidInput(
+                f"assignment method {self.method!r} carried {len(a.carried)} sample(s) past the "
+                f"last iteration of epoch {epoch} although asked to flush"
+            )
         return [
             [
                 Slot(rows[a.encoder_sets[r][j]], rows[a.llm_sets[r][j]])
@@ -224,10 +229,12 @@ class Scheduler:
         ]
 
     def _assign_delayed(self, epoch: int, iteration: int) -> None:
-        """Bounded delay (``plan.max_delay``): iteration i's batch is its own rows plus the
-        samples iteration i-1 carried, so iterations are assigned in order from the epoch's start
-        (again from the start if a lagging rank asks for one already dropped from the cache).
-        The stream stays a pure function of the seed, so resume stays exact."""
+        """Delayed samples (``plan.max_delay``, or ``wlb_llm``'s outlier queue): iteration i's
+        batch is its own rows plus the samples iteration i-1 carried, so iterations are assigned
+        in order from the epoch's start (again from the start if a lagging rank asks for one
+        already dropped from the cache, or after a mid-epoch resume). The epoch's last iteration
+        flushes, so every sample is served once per epoch and the stream stays a pure function
+        of the seed: resume stays exact."""
         carry = self._carry.get(epoch)
         if carry is None or carry.next > iteration:
             carry = _Carry(0, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
