@@ -4,6 +4,7 @@ batches (:func:`simulate`), which :func:`~entrain_data.planner.make_plan` picks 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,7 +29,16 @@ from .simulator import (
 )
 from .token_caps import share_need, token_caps
 
-__all__ = ["Candidate", "PlanContext", "caps", "share_need_of", "to_simulate", "simulate", "ideal"]
+__all__ = [
+    "Candidate",
+    "PlanContext",
+    "caps",
+    "patch_cap",
+    "share_need_of",
+    "to_simulate",
+    "simulate",
+    "ideal",
+]
 
 SCREEN_BATCHES = 2  # profiled batches every simulated layout is scored on
 SCREEN_MARGIN = 0.10  # slower than the best by more on those: not simulated on the rest
@@ -62,12 +72,29 @@ class PlanContext:
     enc_tokens_b: np.ndarray  # [K, B] encoder tokens (all encoders)
     heavy_batch: int  # LLM tokens of the heaviest global batch of a few epochs of the table
     max_tokens: int | None = None  # the user's token cap, if pinned
+    heavy_patches: int = 0  # encoder patches of the heaviest global batch, as heavy_batch
+    largest_patches: int = 0  # encoder patches of the table's largest sample
 
 
 def caps(ctx: PlanContext, dp: int, m: int) -> tuple[int, int]:
     """Token cap and deferral budget of a microbatch for (dp, m) (see :mod:`.token_caps`)."""
     heavy = max(int(ctx.tokens_b.sum(axis=1).max()), ctx.heavy_batch)
     return token_caps(heavy, ctx.largest_sample, dp, m, ctx.max_tokens)
+
+
+def patch_cap(ctx: PlanContext, dp: int, m: int) -> int:
+    """Encoder patches per encoder set (0 without encoders): 1.5x the heaviest batch's mean
+    set, at least the largest sample, and enough that ``m`` sets hold a replica's share of the
+    heaviest batch (the token cap's rule, :mod:`.token_caps`), so the cap never makes a batch of
+    the index unassignable; the memory model holds this many patches per set."""
+    if ctx.largest_patches <= 0:
+        return 0
+    heavy = max(int(ctx.enc_tokens_b.sum(axis=1).max()), ctx.heavy_patches)
+    return max(
+        int(math.ceil(1.5 * heavy / (dp * m))),
+        ctx.largest_patches,
+        share_need(heavy, ctx.largest_patches, dp, m),
+    )
 
 
 def share_need_of(ctx: PlanContext, dp: int, m: int) -> int:

@@ -37,6 +37,7 @@ from .plan_scoring import (
     PlanContext,
     caps,
     ideal,
+    patch_cap,
     share_need_of,
     simulate,
     to_simulate,
@@ -139,6 +140,11 @@ def make_plan(
     costs = costs if costs is not None else per_sample_costs(table, model, calibration=calibration)
     tok = costs.llm_tokens.astype(np.int64)
     check_token_cap(table.keys, tok, max_tokens)
+    patches = (
+        costs.encoder_tokens.sum(axis=1).astype(np.int64)
+        if costs.encoder_tokens.size
+        else np.zeros(len(tok), dtype=np.int64)
+    )
     ctx = PlanContext(
         model,
         cluster,
@@ -148,6 +154,8 @@ def make_plan(
         _enc_tokens(costs, idx),
         heavy_batch_tokens(tok, global_batch, seed),
         max_tokens,
+        heavy_batch_tokens(patches, global_batch, seed),
+        int(patches.max(initial=0)),
     )
     cands, smallest_need = _candidates(
         ctx,
@@ -205,7 +213,7 @@ def make_plan(
         global_batch=global_batch,
         max_tokens=cap,
         defer_budget=budget,
-        max_encoder_patches=_patch_cap(ctx, c.dp, c.microbatches, costs.encoder_tokens),
+        max_encoder_patches=patch_cap(ctx, c.dp, c.microbatches),
         schedule=schedule,
         expected_iteration_time=float(means[best]),
         ideal_iteration_time=ideal(means_fb[best], c.microbatches, schedule),
@@ -286,16 +294,6 @@ def _enc_tokens(costs: SampleCosts, idx: np.ndarray) -> np.ndarray:
     return costs.encoder_tokens.sum(axis=1)[idx]
 
 
-def _patch_cap(ctx: PlanContext, dp: int, m: int, table_patches: np.ndarray) -> int:
-    """Encoder patches per encoder set: the memory model's figure (1.5x the heaviest batch's
-    mean), at least the table's largest sample (none unassignable); 0 without encoders."""
-    largest = int(table_patches.max(initial=0))
-    if largest <= 0:
-        return 0
-    per_mb = ctx.enc_tokens_b.sum(axis=1).max() / (dp * m)
-    return max(int(math.ceil(1.5 * per_mb)), int(ctx.enc_tokens_b.max()), largest)
-
-
 def _candidates(
     ctx: PlanContext, units, dp, tp, pp, microbatches, schedule, shardings, recompute
 ) -> tuple[list[Candidate], float]:
@@ -322,7 +320,6 @@ def _candidates(
     if pp is not None and pp > len(units):
         raise PlanError(f"pp={pp} exceeds the model's {len(units)} layers")
     n_enc_layers = sum(x.layers for x in model.encoders)
-    enc_tok = ctx.enc_tokens_b
     cands: list[Candidate] = []
     smallest_need = math.inf
     limit = MEMORY_HEADROOM * cluster.gpu_memory_gb
@@ -351,8 +348,7 @@ def _candidates(
                     cap, budget = caps(ctx, d, mm)
                     if ctx.max_tokens is not None and cap < share_need_of(ctx, d, mm):
                         continue  # a pinned cap this layout's microbatches cannot serve
-                    enc_tokens = int(math.ceil(1.5 * enc_tok.sum(axis=1).max() / (d * mm)))
-                    enc_tokens = max(enc_tokens, int(enc_tok.max()))
+                    enc_tokens = patch_cap(ctx, d, mm)  # what the memory model holds
                     mean_tokens = ctx.tokens_b.sum(axis=1).mean() / (d * mm)
                     for sh in shardings:
                         args = (model, stages, t, d, mm, cap, enc_tokens, budget)

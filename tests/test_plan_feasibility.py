@@ -26,6 +26,7 @@ def _serve_every_batch(table, plan, seed: int, epochs: int) -> int:
     """Assign every global batch the service would cut in ``epochs`` epochs; returns how many."""
     costs = per_sample_costs(table, SPEC)
     enc, llm, tok = costs.encoder_cost(), costs.llm_cost(), costs.llm_tokens
+    patches = costs.encoder_tokens.astype(np.int64)
     done = 0
     for epoch in range(epochs):
         for i, b in enumerate(
@@ -39,6 +40,8 @@ def _serve_every_batch(table, plan, seed: int, epochs: int) -> int:
                 microbatches=plan.microbatches,
                 max_tokens=plan.max_tokens,
                 defer_budget=plan.defer_budget,
+                encoder_patches=patches[b],
+                max_encoder_patches=plan.max_encoder_patches or None,
                 seed=seed,
                 iteration=epoch * 1000 + i,
             )
@@ -48,7 +51,12 @@ def _serve_every_batch(table, plan, seed: int, epochs: int) -> int:
 
 @pytest.mark.parametrize(
     ("workload", "samples", "batch", "microbatches"),
-    [("text-heavy", 600, 16, 1), ("qwen2vl-dynamic", 400, 32, 2), ("text-heavy", 25, 8, 1)],
+    [
+        ("text-heavy", 600, 16, 1),
+        ("qwen2vl-dynamic", 400, 32, 2),
+        ("text-heavy", 25, 8, 1),
+        ("text-heavy", 512, 128, 8),  # documents: many samples above half a mean encoder set
+    ],
 )
 def test_plan_serves_every_batch_of_its_index(workload, samples, batch, microbatches):
     table = synthesize(workload, samples, seed=3)
