@@ -37,6 +37,7 @@ from .assign_ahead import AssignAhead
 from .config import ServiceConfig, State
 from .hello import check_hello
 from .pool import WorkerPool
+from .sample_source import encoder_stats
 from .schedule import Scheduler, data_fingerprint, digest
 from .skips import SkipRecord, parse_budget
 from .stats import Counters, service_stats
@@ -89,6 +90,8 @@ class Coordinator:
             seed=cfg.seed,
             assign_fn=cfg.assign_fn,
             max_delay=self.plan.max_delay,
+            max_encoder_patches=self.plan.max_encoder_patches or None,
+            encoder_stats=encoder_stats(cfg.source),
         )
         self.shape = self.scheduler.shape
         self.end_pos = cfg.epochs * self.shape.per_epoch
@@ -388,6 +391,7 @@ class Coordinator:
                     "replica": replica,
                     "encoder_rows": slot.encoder_rows.tolist(),
                     "llm_rows": slot.llm_rows.tolist(),
+                    "encoder_calls": slot.encoder_calls,
                 },
             )
             pool.send(worker, tid, frames)

@@ -30,6 +30,7 @@ __all__ = [
     "IndexSource",
     "DatasetSource",
     "CustomSource",
+    "encoder_stats",
 ]
 
 Costs = tuple[np.ndarray, np.ndarray, np.ndarray]
@@ -94,6 +95,23 @@ class IndexSource:
         from entrain_data.metadata import read_index
 
         return [str(k) for k in read_index(self.index_path).keys]
+
+    def encoder_stats(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Per sample: encoder patches (all encoders, the plan's patch cap counts them) and which
+        encoders it uses (``{"vision": bool[N], "audio": bool[N]}``), from the index alone:
+        what the schedule needs for the patch cap and the group-wide encoder calls."""
+        from entrain_data.cost_model import per_sample_costs
+        from entrain_data.metadata import read_index
+        from entrain_data.plan import ParallelPlan
+
+        table = read_index(self.index_path)
+        costs = per_sample_costs(table, ParallelPlan.from_json(self.plan_json).model_spec())
+        patches = costs.encoder_tokens.sum(axis=1).astype(np.int64)
+        uses = {
+            "vision": np.diff(table.image_offsets) > 0,
+            "audio": np.diff(table.audio_offsets) > 0,
+        }
+        return patches, uses
 
     def identity(self) -> str:
         """A hash of the index file's content: a remote worker must pack the same index."""
@@ -190,3 +208,9 @@ class CustomSource:
 
     def make_packer(self) -> Packer:
         return self.packer_factory()
+
+
+def encoder_stats(source: Any) -> tuple[np.ndarray, dict[str, np.ndarray]] | None:
+    """``source.encoder_stats()`` where the source knows them (an index), else ``None``."""
+    stats = getattr(source, "encoder_stats", None)
+    return stats() if stats is not None else None

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from entrain_data.assignment import assign
+from entrain_data.encoder_calls import encoder_calls
 from entrain_data.errors import InvalidInput
 
 __all__ = [
@@ -69,6 +70,9 @@ class Slot:
 
     encoder_rows: np.ndarray
     llm_rows: np.ndarray
+    # group-wide encoder calls of this microbatch (mb.meta["encoder_calls"]; see
+    # entrain_data.encoder_calls), when the source says which samples use which encoder
+    encoder_calls: dict[str, list[int]] | None = None
 
 
 def _epoch_split(
@@ -126,6 +130,8 @@ class Scheduler:
         cache: int = 8,
         assign_fn: Callable[..., Any] | None = None,
         max_delay: int = 0,
+        max_encoder_patches: int | None = None,
+        encoder_stats: tuple[np.ndarray, dict[str, np.ndarray]] | None = None,
     ) -> None:
         self.encoder_cost = np.asarray(encoder_cost)
         self.llm_cost = np.asarray(llm_cost)
@@ -135,6 +141,10 @@ class Scheduler:
         self.max_tokens, self.defer_budget = max_tokens, defer_budget
         self.method, self.seed = method, int(seed)
         self.max_delay = int(max_delay)
+        # the plan's memory cap on an encoder set's patches; per sample its patches and which
+        # encoders it uses (the source's encoder_stats), for the cap and the group-wide calls
+        self.encoder_patches, self.encoder_uses = encoder_stats or (None, None)
+        self.max_encoder_patches = max_encoder_patches if encoder_stats else None
         self.assign_fn = assign_fn or assign
         n = len(self.llm_cost)
         min_batch = self.dp * self.microbatches
@@ -189,11 +199,16 @@ class Scheduler:
     ) -> list[list[Slot]]:
         """Assign one global batch (``rows``); with ``ages``, returns its carried rows too."""
         t0 = time.perf_counter()
-        delay: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
+        if self.max_encoder_patches:
+            extra.update(
+                encoder_patches=self.encoder_patches[rows],
+                max_encoder_patches=self.max_encoder_patches,
+            )
         if ages is not None:  # nothing leaves its epoch: the last iteration flushes the queue
-            delay["flush"] = iteration == self.shape.iterations - 1
+            extra["flush"] = iteration == self.shape.iterations - 1
             if self.max_delay > 0:
-                delay.update(max_delay=self.max_delay, ages=ages)
+                extra.update(max_delay=self.max_delay, ages=ages)
         a = self.assign_fn(
             self.encoder_cost[rows],
             self.llm_cost[rows],
@@ -205,7 +220,7 @@ class Scheduler:
             method=self.method,
             seed=self.seed,
             iteration=epoch * self.shape.iterations + iteration,
-            **delay,
+            **extra,
         )
         self.latencies.append(time.perf_counter() - t0)
         if len(a.carried) and ages is None:
@@ -215,14 +230,17 @@ class Scheduler:
                 "(entrain's opt-in bounded delay is plan.max_delay)"
             )
         self._last_carried = np.asarray(a.carried, dtype=np.int64)
-        if len(self._last_carried) and delay.get("flush"):
+        if len(self._last_carried) and extra.get("flush"):
             raise InvalidInput(
                 f"assignment method {self.method!r} carried {len(a.carried)} sample(s) past the "
                 f"last iteration of epoch {epoch} although asked to flush"
             )
+        calls: list[Any] = [None] * a.microbatches
+        if self.encoder_uses:
+            calls = encoder_calls(a, {k: v[rows] for k, v in self.encoder_uses.items()})
         return [
             [
-                Slot(rows[a.encoder_sets[r][j]], rows[a.llm_sets[r][j]])
+                Slot(rows[a.encoder_sets[r][j]], rows[a.llm_sets[r][j]], calls[j])
                 for j in range(a.microbatches)
             ]
             for r in range(a.dp)

@@ -28,6 +28,7 @@ from typing import Any
 import zmq
 
 from entrain_data import protocol
+from entrain_data.encoder_calls import ENCODER_CALLS_KEY
 from entrain_data.errors import EntrainError, InvalidInput, error_fields
 
 from .sample_source import Packed, Packer, SampleSource
@@ -186,5 +187,7 @@ def _run_task(packer: Packer, task: dict[str, Any]) -> list[Any]:
         "llm_keys": packed.llm_keys,
         "meta": packed.meta,
     }
+    if task.get("encoder_calls") is not None:  # group-wide calls for sharded data parallelism
+        fields["meta"] = {**packed.meta, ENCODER_CALLS_KEY: task["encoder_calls"]}
     envelope = protocol.encode("result", {**ident, "skipped": packed.skipped})
     return envelope + protocol.encode("batch", fields, packed.tensors)

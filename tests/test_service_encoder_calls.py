@@ -1,0 +1,66 @@
+"""The service puts the group-wide encoder calls in every microbatch (``mb.meta["encoder_calls"]``)
+and honours the plan's encoder patch cap: what sharded data parallelism (ZeRO-3, per-block FSDP2)
+needs from the loader, computed from the assignment ahead of training."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+from entrain_data.workers.demo_data import write_demo_dataset
+from entrain_data.workers.index_builder import build_index
+from entrain_data.workers.service import start_service
+
+from entrain_data.client import EntrainLoader
+from entrain_data.cost_model import per_sample_costs
+from entrain_data.encoder_calls import ENCODER_CALLS_KEY
+from entrain_data.metadata import write_index
+from entrain_data.plan import Cluster
+from entrain_data.planner import make_plan
+from entrain_data.presets import ModelSpec
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_every_microbatch_carries_the_group_wide_encoder_calls(tmp_path):
+    shards = write_demo_dataset(tmp_path / "data", samples=48, shards=2, seed=1)
+    table = build_index([str(s) for s in shards], progress=False)
+    index = write_index(table, tmp_path / "index.parquet")
+    spec = ModelSpec.from_names(["qwen2.5-vl-vision", "whisper-large-v3-encoder"], "llama-3.2-1b")
+    plan = make_plan(table, spec, Cluster(2), 16, dp=2, tp=1, pp=1, microbatches=4, batches=2)
+    assert plan.max_encoder_patches > 0
+    svc = start_service(index=index, plan=plan, workers=2, socket_dir=str(tmp_path / "sock"))
+    loaders = [EntrainLoader(svc.endpoint, r, timeout=60) for r in (0, 1)]
+    try:
+        out = {r: list(ld) for r, ld in enumerate(loaders)}
+        assert svc.wait(30) == 0
+    finally:
+        for ld in loaders:
+            ld.close()
+        svc.close()
+    costs = per_sample_costs(table, spec)
+    row = {str(k): i for i, k in enumerate(table.keys)}
+    uses = {"vision": table.image_offsets, "audio": table.audio_offsets}
+    by_position = defaultdict(list)
+    deferred = 0
+    for mbs in out.values():
+        for mb in mbs:
+            calls = mb.meta[ENCODER_CALLS_KEY]
+            by_position[(mb.iteration, mb.microbatch)].append(calls)
+            patches = sum(int(costs.encoder_tokens[row[k]].sum()) for k in mb.encoder_keys)
+            assert patches <= plan.max_encoder_patches  # the plan's memory cap holds
+            for consumers in calls.values():
+                assert mb.microbatch in consumers and consumers == sorted(consumers)
+            # every deferred sample's consumer is a listed call of each encoder it uses
+            consumer = {k: mb2.microbatch for mb2 in mbs if mb2.iteration == mb.iteration
+                        for k in mb2.llm_keys}  # fmt: skip
+            for k in mb.encoder_keys:
+                deferred += consumer[k] != mb.microbatch
+                for kind, offsets in uses.items():
+                    i = row[k]
+                    if offsets[i + 1] > offsets[i]:
+                        assert consumer[k] in calls[kind], (k, kind, calls)
+    # the same calls on every replica (same collectives on every rank of the group)
+    for calls in by_position.values():
+        assert len(calls) == 2 and calls[0] == calls[1]
+    assert deferred > 0  # the check above saw deferral
