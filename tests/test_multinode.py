@@ -44,6 +44,8 @@ def test_two_nodes_serve_one_job_exactly_once_and_exit_by_themselves(tmp_path):
         loaders = [
             EntrainLoader(nodes[r // 2].endpoint, r, prefetch=2, timeout=60) for r in range(4)
         ]
+        with pytest.raises(ProtocolError, match=r"not served here .*ranks 0\.\.1"):
+            EntrainLoader(nodes[0].endpoint, 3, timeout=20).info  # noqa: B018
         its = [iter(ld) for ld in loaders]
         out = {r: [next(its[r])] for r in range(4)}
         victim = loaders[2].stats()["workers"][0]["pid"]
@@ -55,8 +57,6 @@ def test_two_nodes_serve_one_job_exactly_once_and_exit_by_themselves(tmp_path):
         assert sorted(k for v in out.values() for m in v for k in m.encoder_keys) == sorted(keys)
         fps = {ld.state_dict()["fingerprint"] for ld in loaders}
         assert len(fps) == 1  # both nodes serve the same stream
-        with pytest.raises(ProtocolError, match=r"not served here .*ranks 0\.\.1"):
-            EntrainLoader(nodes[0].endpoint, 3, timeout=20).info  # noqa: B018
         close_all(loaders)
         assert [n.wait(30) for n in nodes] == [0, 0]  # each exits once its own ranks are done
     finally:

@@ -94,10 +94,10 @@ def test_a_remote_worker_without_the_key_or_with_another_index_is_not_let_in(tmp
     procs = [_worker(remote, index, plan, wrong_pub), _worker(remote, other, plan, pub)]
     ld = EntrainLoader(svc.endpoint, 0, timeout=90, curve_server_key=pub)
     try:
-        assert procs[1].wait(60) == 0  # refused: another index (the service told it to stop)
+        assert procs[1].wait(150) == 0, procs[1].stdout.read()  # refused: another index
         time.sleep(1.0)
         assert _remotes(ld) == []  # nobody joined: the keyless one cannot even connect
-        assert procs[0].poll() is None
+        assert procs[0].poll() is None, procs[0].stdout.read()
     finally:
         ld.close()
         svc.close()
