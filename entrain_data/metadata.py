@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .errors import InvalidInput
+from .index_paths import sources_for_index, sources_from_index
 
 __all__ = [
     "INDEX_SCHEMA_VERSION",
@@ -467,6 +468,7 @@ def write_index(table: SampleTable, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
+    table = replace(table, sources=sources_for_index(table.sources, str(path.parent.resolve())))
     pq.write_table(table.to_arrow(), tmp, compression="zstd")
     tmp.replace(path)
     return path
@@ -487,4 +489,5 @@ def read_index(path: str | Path) -> SampleTable:
         raise InvalidInput(
             f"{path}: index schema version {int(version)} is newer than this package's ({INDEX_SCHEMA_VERSION})"
         )
-    return SampleTable.from_arrow(table, origin=str(path))
+    out = SampleTable.from_arrow(table, origin=str(path))
+    return replace(out, sources=sources_from_index(out.sources, str(path.parent.resolve())))
