@@ -191,7 +191,7 @@ def make_plan(
             f"{MEMORY_HEADROOM * cluster.gpu_memory_gb:.1f} GB usable of {cluster.gpu_memory_gb:g} GB"
         )
     chosen = to_simulate(cands, simulate_top)
-    sims, means_fb = simulate(ctx, chosen, costs, idx, seed, schedule)
+    chosen, sims, means_fb = simulate(ctx, chosen, costs, idx, seed, schedule)
     means = np.nanmean(sims, axis=1)
     full = ~np.isnan(sims).any(axis=1)  # simulated on every batch (the best always is)
     best, worst = int(np.argmin(np.where(full, means, np.inf))), int(np.argmax(means))
