@@ -21,7 +21,7 @@ For every named synthetic workload, a few cluster sizes and global batches
   plan with them is never slower by construction of the search, up to the
   simulation screen (checked per row).
 
-Usage: ``python bench/plan.py [--quick] [--batches 8] [--out bench/results/plan.json]``.
+Usage: ``python bench/plan.py [--quick] [--batches 8] [--llm qwen2.5-7b] [--out bench/results/plan.json]``.
 Prints a table and writes JSON (one record per run).
 """
 
@@ -47,18 +47,18 @@ QUICK_SETUPS = ((64, 256), (256, 1024))
 LLM = "llama-3.1-8b"
 
 
-def model_for(name: str, table) -> ModelSpec:
-    """A vision encoder sized to the workload (+ Whisper when it has audio) and an 8B LLM."""
+def model_for(name: str, table, llm: str = LLM) -> ModelSpec:
+    """A vision encoder sized to the workload (+ Whisper when it has audio) and a 7-8B LLM."""
     vision = "siglip-so400m" if name == "llava-fixed" else "qwen2.5-vl-vision"
     encoders = [vision] + (["whisper-large-v3-encoder"] if len(table.audio_seconds) else [])
-    return ModelSpec.from_names(encoders, LLM)
+    return ModelSpec.from_names(encoders, llm)
 
 
-def run(setups, batches: int, samples: int, seed: int) -> list[dict]:
+def run(setups, batches: int, samples: int, seed: int, llm: str = LLM) -> list[dict]:
     rows = []
     for name in list_workloads():
         table = synthesize(name, samples, seed=seed)
-        model = model_for(name, table)
+        model = model_for(name, table, llm)
         costs = per_sample_costs(table, model)
         for gpus, gb in setups:
             t0 = time.perf_counter()
@@ -161,15 +161,16 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=8, help="profiled global batches per plan")
     ap.add_argument("--samples", type=int, default=40000, help="samples synthesised per workload")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--llm", default=LLM, help=f"LLM preset (default {LLM}; e.g. qwen2.5-7b)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "plan.json"))
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     setups = QUICK_SETUPS if args.quick else SETUPS
-    rows = run(setups, args.batches, args.samples, args.seed)
+    rows = run(setups, args.batches, args.samples, args.seed, args.llm)
     print(format_table(rows))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"setups": setups, "llm": LLM, "runs": rows}, indent=2))
+    out.write_text(json.dumps({"setups": setups, "llm": args.llm, "runs": rows}, indent=2))
     print(f"wrote {out}")
 
 

@@ -8,10 +8,19 @@ from pathlib import Path
 
 from .cli_models import add_model_arguments, calibration_from_args, model_spec_from_args
 from .metadata import read_index
-from .plan import Cluster, ParallelPlan
-from .planner import make_plan
+from .plan import SHARDING, Cluster, ParallelPlan
+from .planner import RECOMPUTE, make_plan
 
 __all__ = ["register", "cmd_plan", "format_plan"]
+
+_SHARDING_TEXT = {
+    "none": "none (plain DDP: weights, gradients and Adam state replicated)",
+    "optimizer": "optimizer (ZeRO-1 / Megatron distributed optimizer: Adam state and master "
+    "weights sharded over dp)",
+    "gradients": "gradients (ZeRO-2: gradients and optimizer state sharded over dp)",
+    "full": "full (ZeRO-3 / FSDP per block: weights, gradients and optimizer state sharded "
+    "over dp)",
+}
 
 
 def format_plan(plan: ParallelPlan) -> str:
@@ -23,8 +32,14 @@ def format_plan(plan: ParallelPlan) -> str:
         f"(global batch {plan.global_batch}, ~{plan.global_batch / (plan.dp * plan.microbatches):.1f} samples each)",
         f"token cap    {plan.max_tokens} LLM tokens per microbatch; deferral budget {plan.defer_budget} tokens"
         + (f"; samples may wait up to {plan.max_delay} iteration(s)" if plan.max_delay else ""),
-        f"schedule     {plan.schedule}"
-        + (", full activation recomputation (needed to fit memory)" if plan.recompute else ""),
+        f"schedule     {plan.schedule}",
+        f"sharding     {_SHARDING_TEXT.get(plan.sharding, plan.sharding)}",
+        "recompute    "
+        + (
+            "stages " + ", ".join(str(s.index) for s in plan.stages if s.recompute)
+            if any(s.recompute for s in plan.stages)
+            else ("every stage" if plan.recompute else "none")
+        ),
         "stages:",
     ]
     memory = list(plan.memory_gb) + [float("nan")] * (len(plan.stages) - len(plan.memory_gb))
@@ -32,7 +47,7 @@ def format_plan(plan: ParallelPlan) -> str:
         layers = ", ".join(f"{s.module}[{s.layer_start}:{s.layer_end}]" for s in st.segments)
         lines.append(
             f"  {st.index:>3}  {layers:<48} load/microbatch {st.expected_load * 1e3:8.2f} ms"
-            f"  mem {mem:6.1f} GB"
+            f"  mem {mem:6.1f} GB" + ("  recompute" if st.recompute else "")
         )
     lines += [
         f"iteration    {plan.expected_iteration_time:.4f} s expected (ideal balance {plan.ideal_iteration_time:.4f} s)",
@@ -50,7 +65,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     table = read_index(args.index)
     spec = model_spec_from_args(args)
     cal = calibration_from_args(args)
-    cluster = Cluster(args.gpus, args.gpus_per_node, args.gpu_memory_gb)
+    cluster = Cluster(
+        args.gpus,
+        args.gpus_per_node,
+        args.gpu_memory_gb,
+        intra_node_gbps=args.intra_node_gbps,
+        inter_node_gbps=args.inter_node_gbps,
+    )
     plan = make_plan(
         table,
         spec,
@@ -65,6 +86,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         schedule=args.schedule,
         calibration=cal.to_dict() if cal is not None else None,
         max_tokens=args.max_tokens,
+        shardings=SHARDING if args.sharding == "auto" else (args.sharding,),
+        recompute=args.recompute,
     )
     if args.max_delay:
         plan = replace(plan, max_delay=args.max_delay)
@@ -82,6 +105,39 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus", type=int, required=True, metavar="N", help="world size")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--gpu-memory-gb", type=float, default=80.0)
+    bw = Cluster(1)
+    p.add_argument(
+        "--intra-node-gbps",
+        type=float,
+        default=bw.intra_node_gbps,
+        metavar="GB/S",
+        help="per-GPU bandwidth inside a node in GB/s, prices the data-parallel all-gather / "
+        f"reduce-scatter / all-reduce (default: {bw.intra_node_gbps:g}, NVLink 4 on H100)",
+    )
+    p.add_argument(
+        "--inter-node-gbps",
+        type=float,
+        default=bw.inter_node_gbps,
+        metavar="GB/S",
+        help="per-GPU bandwidth across nodes in GB/s (default: "
+        f"{bw.inter_node_gbps:g}, one 400 Gb/s InfiniBand NIC per GPU)",
+    )
+    p.add_argument(
+        "--sharding",
+        choices=("auto", *SHARDING),
+        default="auto",
+        help="what the data-parallel group shards: none (DDP), optimizer (ZeRO-1 / distributed "
+        "optimizer), gradients (ZeRO-2), full (ZeRO-3 / FSDP per block); auto: the planner "
+        "scores each on memory per GPU and communication time (default: auto)",
+    )
+    p.add_argument(
+        "--recompute",
+        choices=RECOMPUTE,
+        default="stage",
+        help="activation recomputation: stage (each stage that does not fit without it "
+        "recomputes, its extra forward time scored against the layouts that need none), all "
+        "(every stage when one needs it), always, never (default: stage)",
+    )
     p.add_argument("--global-batch", type=int, required=True, metavar="B")
     p.add_argument("--dp", type=int, help="pin the data-parallel degree")
     p.add_argument("--tp", type=int, help="pin the tensor-parallel degree")

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .assignment import assign
+from .errors import InvalidInput, PlanError
 from .plan import Cluster, StagePlan
 from .plan_layout import stage_params
 from .plan_time import (
@@ -134,8 +135,12 @@ def to_simulate(cands: list[Candidate], top: int) -> list[Candidate]:
     return chosen
 
 
-def simulate(ctx: PlanContext, chosen, costs, idx, seed, schedule) -> tuple[np.ndarray, list]:
-    """[C, K] simulated iteration seconds of the chosen layouts on the profiled batches.
+def simulate(ctx: PlanContext, chosen, costs, idx, seed, schedule) -> tuple[list, np.ndarray, list]:
+    """(layouts kept, [C, K] simulated iteration seconds of them on the profiled batches, means).
+
+    A layout whose token cap cannot serve some profiled batch (the assignment
+    refuses it: few samples per replica can outweigh the cap's allowance of one
+    sample of imbalance) is infeasible and dropped; PlanError when none is left.
 
     Assignments depend on (dp, microbatches) only and per-stage sample costs on
     the stage layout only, so both are computed once and shared. Every layout
@@ -150,24 +155,32 @@ def simulate(ctx: PlanContext, chosen, costs, idx, seed, schedule) -> tuple[np.n
     assignments: dict[tuple[int, int, int], object] = {}
     per_stage: dict[int, tuple] = {}
 
+    unservable: dict[int, str] = {}
+
     def run(ci: int, k: int) -> None:
         c, b = chosen[ci], idx[k]
         akey = (c.dp, c.microbatches, k)
         if akey not in assignments:
             cap, budget = caps(ctx, c.dp, c.microbatches)
-            assignments[akey] = assign(
-                enc_cost[b],
-                llm_cost[b],
-                tok[b],
-                dp=c.dp,
-                microbatches=c.microbatches,
-                max_tokens=cap,
-                defer_budget=budget,
-                method="entrain",
-                seed=seed,
-                iteration=k,
-            )
+            try:
+                assignments[akey] = assign(
+                    enc_cost[b],
+                    llm_cost[b],
+                    tok[b],
+                    dp=c.dp,
+                    microbatches=c.microbatches,
+                    max_tokens=cap,
+                    defer_budget=budget,
+                    method="entrain",
+                    seed=seed,
+                    iteration=k,
+                )
+            except InvalidInput as e:  # this (dp, M)'s cap cannot serve batch k
+                assignments[akey] = e
         a = assignments[akey]
+        if isinstance(a, InvalidInput) or ci in unservable:
+            unservable.setdefault(ci, str(a))
+            return
         if id(c.stages) not in per_stage:
             per_stage[id(c.stages)] = stage_sample_costs(costs, c.stages)
         params = [stage_params(ctx.model, st) for st in c.stages]
@@ -185,11 +198,17 @@ def simulate(ctx: PlanContext, chosen, costs, idx, seed, schedule) -> tuple[np.n
     for ci in range(len(chosen)):
         for k in range(screen):
             run(ci, k)
-    first = sims[:, :screen].mean(axis=1)
+    first = np.where(sims[:, :screen] > 0, sims[:, :screen], np.inf).mean(axis=1)
     for ci in np.flatnonzero(first <= first.min() * (1 + SCREEN_MARGIN)):
         for k in range(screen, len(idx)):
             run(int(ci), k)
-    return sims, means_fb
+    keep = [ci for ci in range(len(chosen)) if ci not in unservable]
+    if not keep:
+        raise PlanError(
+            "no simulated layout's LLM token cap serves every profiled batch: "
+            + next(iter(unservable.values()))
+        )
+    return [chosen[ci] for ci in keep], sims[keep], [means_fb[ci] for ci in keep]
 
 
 def ideal(per_batch: list, m: int, schedule: str) -> float:

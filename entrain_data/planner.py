@@ -64,12 +64,25 @@ from .token_caps import (
 __all__ = [
     "make_plan",
     "MEMORY_HEADROOM",
+    "RECOMPUTE",
 ]
 
 log = logging.getLogger(__name__)
 
 MEMORY_HEADROOM = 0.9  # share of GPU memory the plan may use
 MAX_STAGES = 32  # deepest pipeline searched
+
+
+RECOMPUTE = ("stage", "all", "always", "never")
+"""``make_plan(recompute=...)``: which stages recompute their activations (see make_plan)."""
+
+
+def _recomputed(mode: str, need: tuple[bool, ...]) -> tuple[bool, ...]:
+    """Stages that recompute under ``mode``, given those that do not fit without it."""
+    n = len(need)
+    if mode == "all":
+        return (any(need),) * n
+    return {"always": (True,) * n, "never": (False,) * n}.get(mode, need)
 
 
 def _analytic(stages, tp, dp, m, cluster, model, mean_tokens_mb, params, rc, sharding) -> float:
@@ -118,8 +131,9 @@ def make_plan(
     ``pp`` and ``microbatches`` pin parts of the layout; ``max_tokens`` pins the LLM token cap of
     a microbatch (else it is derived so that every global batch of the index fits).
     ``shardings``: the data-parallel shardings tried; ``recompute``: ``"stage"`` (each stage that
-    does not fit recomputes) or ``"all"`` (every stage, when one does not fit: the planner before
-    per-stage recomputation, for comparisons). Raises
+    does not fit recomputes), ``"all"`` (every stage, when one does not fit: the planner before
+    per-stage recomputation, for comparisons), ``"always"`` (every stage, pinned) or ``"never"``
+    (layouts that need it are dropped). Raises
     :class:`~entrain_data.errors.PlanError` naming why when nothing fits.
     """
     t0 = time.perf_counter()
@@ -128,9 +142,9 @@ def make_plan(
     idx = _profiled_batches(table, global_batch, batches, seed, profile)
     batches, global_batch = idx.shape
     bad = [x for x in shardings if x not in SHARDING] or ([] if shardings else ["(none)"])
-    if bad or recompute not in ("stage", "all"):
+    if bad or recompute not in RECOMPUTE:
         raise InvalidInput(
-            f"shardings {bad} / recompute {recompute!r}: choose from {SHARDING} / stage, all"
+            f"shardings {bad} / recompute {recompute!r}: choose from {SHARDING} / {RECOMPUTE}"
         )
     for name, v in (("dp", dp), ("tp", tp), ("pp", pp), ("microbatches", microbatches)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
@@ -185,7 +199,7 @@ def make_plan(
             f"{MEMORY_HEADROOM * cluster.gpu_memory_gb:.1f} GB usable of {cluster.gpu_memory_gb:g} GB"
         )
     chosen = to_simulate(cands, simulate_top)
-    sims, means_fb = simulate(ctx, chosen, costs, idx, seed, schedule)
+    chosen, sims, means_fb = simulate(ctx, chosen, costs, idx, seed, schedule)
     means = np.nanmean(sims, axis=1)
     full = ~np.isnan(sims).any(axis=1)  # simulated on every batch (the best always is)
     best, worst = int(np.argmin(np.where(full, means, np.inf))), int(np.argmax(means))
@@ -353,9 +367,8 @@ def _candidates(
                     for sh in shardings:
                         args = (model, stages, t, d, mm, cap, enc_tokens, budget)
                         mem = memory_gb(*args, False, params, schedule, sh)
-                        rc = tuple(x > limit for x in mem)
+                        rc = _recomputed(recompute, tuple(x > limit for x in mem))
                         if any(rc):
-                            rc = (True,) * len(rc) if recompute == "all" else rc
                             mem = memory_gb(*args, rc, params, schedule, sh)
                         smallest_need = min(smallest_need, max(mem))
                         if max(mem) > limit:
