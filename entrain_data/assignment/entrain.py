@@ -47,7 +47,7 @@ from .common import Assignment, Candidate, Inputs, Replicas, rng_for, slot_sums
 from .encoder_sets import lpt_bins, order_by_llm, order_mountain, refine_bins, vector_bins
 from .llm_sets import ffd_joint, fits_cap, fits_patches, llm_sets_fill, llm_sets_lpt
 from .pipeline_search import _per_stage, proxy_times, refine_slowest
-from .replica_split import norm_columns, split_replicas
+from .replica_split import fit_caps, norm_columns, split_replicas
 
 __all__ = ["assign_entrain", "split_replicas", "lpt_bins", "replicas_of"]
 
@@ -110,7 +110,7 @@ def assign_entrain(x: Inputs, seed: int, iteration: int, tolerance: float = 0.02
     candidates and the same search at every batch size."""
     rng = rng_for(seed, iteration, 1)
     w = norm_columns(np.concatenate([x.enc, x.llm[:, None]], axis=1))
-    rp = replicas_of(x, split_replicas(w, x.dp, rng))
+    rp = replicas_of(x, fit_caps(split_replicas(w, x.dp, rng), x))
     cands = _candidates(rp, tolerance)
     eidx, lidx = _pick(cands, rp)
     eidx, lidx = refine_slowest(rp, eidx, lidx, rng_for(seed, iteration, 2))

@@ -167,6 +167,9 @@ def ffd_joint(
         if pcap is not None:
             fits &= (pl + patches[i] <= pcap).all(axis=1)
         if not fits.any():
+            packed = _first_fit_by_size(tok, m, cap, patches, pcap)
+            if packed is not None:  # balance gives way to the caps: a packing exists
+                return packed
             what = f"max_tokens={cap}" if cap is not None else ""
             if pcap is not None:
                 what += f"{' and ' if what else ''}max_encoder_patches={pcap.tolist()}"
@@ -180,6 +183,32 @@ def ffd_joint(
         toks[j] += tok[i]
         if pcap is not None:
             pl[j] += patches[i]
+    return out
+
+
+def _first_fit_by_size(
+    tok: np.ndarray,
+    m: int,
+    cap: int | None,
+    patches: np.ndarray | None,
+    pcap: np.ndarray | None,
+) -> np.ndarray | None:
+    """Sets by first fit, largest first by size against the caps (not by cost): where the
+    cost-balanced packing cannot place a sample this still finds one if first-fit-decreasing
+    can; ``None`` if not."""
+    parts = [] if cap is None else [tok[:, None] / max(cap, 1)]
+    if pcap is not None:
+        parts.append(patches / np.maximum(pcap, 1)[None, :])
+    size = np.concatenate(parts, axis=1) if parts else np.zeros((len(tok), 1))
+    loads = np.zeros((m, size.shape[1]))
+    out = np.empty(len(tok), dtype=np.int64)
+    for i in np.argsort(-size.max(axis=1), kind="stable"):
+        fits = (loads + size[i] <= 1.0 + 1e-9).all(axis=1)
+        if not fits.any():
+            return None
+        j = int(np.argmax(fits))
+        out[i] = j
+        loads[j] += size[i]
     return out
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .common import Inputs
+
 __all__ = ["split_replicas", "norm_columns"]
 
 _SWAP_CANDIDATES = 64  # members considered per replica in one swap step
@@ -147,3 +149,68 @@ def _refine_replicas(members: np.ndarray, loads: np.ndarray, wp: np.ndarray, ite
         loads[a] -= delta[x, y]
         loads[b] += delta[x, y]
         members[a, ca], members[b, cb] = members[b, cb], members[a, ca]
+
+
+def fit_caps(members: np.ndarray, x: Inputs) -> np.ndarray:
+    """Level 1, repaired for the caps: where a replica's samples cannot be packed into its
+    ``m`` sets under the token cap (and each encoder's patch cap) by first fit, largest first,
+    swap its largest sample for the smallest of the least-loaded replica that still packs.
+    Level 1 balances work, not tokens, so with few samples per replica one replica can hold
+    more tokens than its sets take while another has room: the batch is then served instead
+    of failing mid-epoch. A no-op (the same members) when every replica packs.
+    """
+    parts = []
+    if x.max_tokens is not None:
+        parts.append(x.tokens[:, None] / max(x.max_tokens, 1))
+    if x.patches is not None and x.patch_cap is not None:
+        parts.append(x.patches / np.maximum(x.patch_cap, 1)[None, :])
+    if not parts or members.shape[0] == 1:
+        return members
+    size = np.vstack([np.concatenate(parts, axis=1), np.zeros((1, sum(p.shape[1] for p in parts)))])
+    m = x.microbatches
+    ok = _packs(size[members], m)
+    if ok.all():
+        return members
+    members = members.copy()
+    load = size[members].sum(axis=(1, 2))
+    for o in np.argsort(-load):  # the fullest failing replicas first
+        if ok[o]:
+            continue
+        for _ in range(members.shape[1]):
+            mine = size[members[o]].max(axis=1)
+            a = int(np.argmax(mine))
+            swapped = False
+            for u in np.argsort(size[members].sum(axis=(1, 2))):
+                if u == o or not ok[u]:
+                    continue
+                theirs = np.where(members[u] >= 0, size[members[u]].max(axis=1), np.inf)
+                b = int(np.argmin(theirs))
+                if not theirs[b] < mine[a]:
+                    continue
+                members[[o, u], [a, b]] = members[[u, o], [b, a]]
+                now = _packs(size[members[[o, u]]], m)
+                if now[1]:
+                    ok[o], swapped = bool(now[0]), True
+                    break
+                members[[o, u], [a, b]] = members[[u, o], [b, a]]  # undo: u would not pack
+            if ok[o] or not swapped:
+                break  # packs now, or no swap helps (the set builder then names the sample)
+    return members
+
+
+def _packs(sizes: np.ndarray, m: int) -> np.ndarray:
+    """[R] whether each replica's samples (``sizes`` [R, n, K], each resource over its cap, pads
+    zero) fit ``m`` sets by first fit, largest first: vectorised over replicas."""
+    r, n, _ = sizes.shape
+    order = np.argsort(-sizes.max(axis=2), axis=1, kind="stable")
+    items = np.take_along_axis(sizes, order[:, :, None], axis=1)
+    loads = np.zeros((r, m, sizes.shape[2]))
+    ok = np.ones(r, bool)
+    rows = np.arange(r)
+    for k in range(n):
+        s = items[:, k]
+        fits = (loads + s[:, None, :] <= 1.0 + 1e-9).all(axis=2)
+        ok &= fits.any(axis=1)
+        j = np.argmax(fits, axis=1)
+        loads[rows, j] += np.where(ok[:, None], s, 0.0)
+    return ok
