@@ -13,12 +13,13 @@ from entrain_data.metadata import read_index
 
 ray = pytest.importorskip("ray", reason="pip install entrain-data[ray]")
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # loopback only: Ray binds its processes to the node address unless told otherwise
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
     try:
         yield
     finally:
