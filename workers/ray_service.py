@@ -52,10 +52,14 @@ class _ServiceActor:
         self.thread.start()
 
     def _run(self) -> None:
+        from .service import remove_ipc
+
         try:
             self.coordinator.run(install_signals=False)  # signals belong to Ray's main thread
         except Exception as exc:
             self.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            remove_ipc(self.cfg)  # the workers' ipc socket and its temp dir
 
     def endpoints(self) -> tuple[str, str, bytes]:
         return self.cfg.endpoint, str(self.cfg.remote_endpoint), self.public_key

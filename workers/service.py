@@ -225,15 +225,17 @@ def _ipc_dir(cfg: ServiceConfig) -> str | None:
     return os.path.dirname(ep[len("ipc://") :]) if ep.startswith("ipc://") else None
 
 
-def _remove_ipc(cfg: ServiceConfig) -> None:
+def remove_ipc(cfg: ServiceConfig) -> None:
+    """Unlink the service's ipc sockets and remove the temp dirs it made for them."""
     for ep in (cfg.endpoint, cfg.worker_endpoint):
         if ep.startswith("ipc://"):
             path = ep[len("ipc://") :]
             if os.path.exists(path):
                 os.unlink(path)
-    d = _ipc_dir(cfg)
-    if d and os.path.basename(d).startswith("entrain-") and os.path.isdir(d):
-        shutil.rmtree(d, ignore_errors=True)
+    for ep in (cfg.endpoint, cfg.worker_endpoint):  # a user's --endpoint leaves the workers' dir
+        d = os.path.dirname(ep[len("ipc://") :]) if ep.startswith("ipc://") else None
+        if d and os.path.basename(d).startswith("entrain-") and os.path.isdir(d):
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def serve_foreground(
@@ -247,7 +249,7 @@ def serve_foreground(
         coord = Coordinator(cfg, on_stats=on_stats, on_ready=on_ready)
         coord.run(install_signals=True)
     finally:
-        _remove_ipc(cfg)
+        remove_ipc(cfg)
     return coord.stats()
 
 
@@ -265,14 +267,14 @@ def _coordinator_main(cfg: ServiceConfig, reason: Any) -> None:
         raise SystemExit(1) from exc
     finally:
         reason.close()
-        _remove_ipc(cfg)
+        remove_ipc(cfg)
 
 
 def _stop(process: Any, cfg: ServiceConfig, timeout: float) -> None:
     if process.is_alive():
         os.kill(process.pid, signal.SIGTERM)  # the coordinator drains and stops its workers
     stop_processes([process], timeout)
-    _remove_ipc(cfg)
+    remove_ipc(cfg)
 
 
 class ServiceHandle:
@@ -343,7 +345,7 @@ def start_service(**options: Any) -> ServiceHandle:
     except BaseException:
         # e.g. spawn refusing a script without ``if __name__ == "__main__":``: the
         # ipc directory make_config created would otherwise stay behind
-        _remove_ipc(cfg)
+        remove_ipc(cfg)
         raise
     finally:
         writer.close()
