@@ -1,11 +1,14 @@
 """``EntrainLoader``: a training rank's iterator over its microbatches, served by the loader service.
 
-The client is a thin facade over :class:`_Conn` (one DEALER socket). It says
-``hello`` (rank, protocol version, where to start), receives the plan's view of
-this rank, and grants the service ``prefetch`` credits: the service never sends
-more than that ahead, so prefetching happens in ZeroMQ's I/O thread and memory
-stays bounded. Tensors are ``torch.frombuffer`` views of the received frames (no
-copy); treat them as read-only. Every wait has a timeout and raises
+The client is a thin facade over :class:`~entrain_data.connection.Connection`
+(control socket to the service, and on the service's host a data socket its
+workers deliver to directly). It says ``hello`` (rank, protocol version, where
+to start, its data socket), receives the plan's view of this rank, and grants
+the service ``prefetch`` credits: no more than that many microbatches are ever
+sent ahead, so prefetching happens in ZeroMQ's I/O thread and memory stays
+bounded. Tensors are
+``torch.frombuffer`` views of the received frames (no copy); treat them as
+read-only. Every wait has a timeout and raises
 :class:`~entrain_data.errors.EntrainTimeout` naming the epoch, iteration,
 microbatch and endpoint it waited for.
 
@@ -16,163 +19,20 @@ function of them.
 
 from __future__ import annotations
 
-import collections
 import logging
-import os
-import time
-import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-import zmq
 
-from . import protocol
 from .batch import Microbatch
-from .errors import (
-    EntrainError,
-    EntrainTimeout,
-    InvalidInput,
-    ProtocolError,
-    WorkerDied,
-    error_fields,
-    error_from_fields,
-)
+from .connection import Connection, tensors_of
+from .errors import InvalidInput
 
 __all__ = ["EntrainLoader"]
 
 log = logging.getLogger(__name__)
-
-_TORCH_DTYPES = {
-    "bool": torch.bool,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-}
-
-
-def _tensors(msg: protocol.Message) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # frames are read-only buffers: no copy
-        for spec, buf in zip(msg.specs, msg.buffers):
-            dt = _TORCH_DTYPES[spec.dtype]
-            if spec.nbytes == 0:
-                out[spec.name] = torch.empty(spec.shape, dtype=dt)
-            else:
-                out[spec.name] = torch.frombuffer(buf, dtype=dt).reshape(spec.shape)
-    return out
-
-
-class _Conn:
-    """One connection to the service: socket, welcome info, received-but-unyielded messages."""
-
-    def __init__(
-        self,
-        endpoint: str,
-        rank: int,
-        position: tuple[int, int, int],
-        seed: int | None,
-        fingerprint: str | None,
-        data_fingerprint: str | None,
-        prefetch: int,
-        timeout: float,
-        curve_server_key: bytes | None,
-        service: Any = None,
-    ) -> None:
-        self.endpoint, self.rank, self.timeout = endpoint, rank, timeout
-        self.service = (
-            service  # the handle of a service this process started; checked while waiting
-        )
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        if curve_server_key is not None:
-            pub, sec = zmq.curve_keypair()
-            self.sock.curve_serverkey = curve_server_key
-            self.sock.curve_publickey = pub
-            self.sock.curve_secretkey = sec
-        self.sock.connect(endpoint)
-        self.pending: collections.deque[protocol.Message] = collections.deque()
-        self._send(
-            "hello",
-            {
-                "rank": rank,
-                "position": list(position),
-                "seed": seed,
-                "fingerprint": fingerprint,
-                "data_fingerprint": data_fingerprint,
-                "pid": os.getpid(),
-            },
-        )
-        welcome = self._wait(lambda m: m.kind == "welcome", f"the welcome of rank {rank}")
-        self.info = welcome.header
-        self._send("credit", {"n": prefetch})
-
-    def _send(self, kind: str, fields: dict[str, Any]) -> None:
-        self.sock.send_multipart(protocol.encode(kind, fields), copy=False)
-
-    def recv(self, timeout: float, what: str) -> protocol.Message:
-        if self.pending:
-            return self.pending.popleft()
-        return self._recv_one(timeout, what)
-
-    def _recv_one(self, timeout: float, what: str) -> protocol.Message:
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self.sock.poll(int(min(left, 0.5) * 1000) + 1):
-                if self.service is not None and not self.service.alive():
-                    self._service_gone(what)
-                if time.monotonic() >= deadline:
-                    raise EntrainTimeout(
-                        f"rank {self.rank}: waited {timeout:g}s for {what} from {self.endpoint}; "
-                        "is the loader service running?"
-                    )
-                continue
-            frames = self.sock.recv_multipart(copy=False)
-            msg = protocol.decode(frames)
-            if msg.kind == "error":  # typed as the service raised it (SampleError: source, key)
-                raise error_from_fields(msg.header, prefix=f"loader service at {self.endpoint}: ")
-            return msg
-
-    def _service_gone(self, what: str) -> None:
-        """The service this process started has exited: raise why (its own error, typed)."""
-        failure = self.service.failure()
-        if isinstance(failure, EntrainError):
-            raise error_from_fields(
-                error_fields(failure),
-                prefix=f"rank {self.rank}: the loader service at {self.endpoint} exited: ",
-            )
-        code = self.service.process.exitcode
-        raise WorkerDied(
-            f"rank {self.rank}: the loader service at {self.endpoint} exited (code {code}) "
-            f"while waiting for {what} (see its log for the reason)"
-        )
-
-    def _wait(self, match: Any, what: str) -> protocol.Message:
-        """Receive until ``match``; other messages are kept, in order, for the iterator."""
-        deadline = time.monotonic() + self.timeout
-        while True:
-            msg = self._recv_one(max(deadline - time.monotonic(), 0.0), what)
-            if match(msg):
-                return msg
-            self.pending.append(msg)
-
-    def close(self) -> None:
-        try:
-            if not self.sock.closed:
-                self.sock.send_multipart(protocol.encode("bye", {}), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
-        self.sock.close(linger=0)
-        self.ctx.term()
 
 
 def _check_job_agrees(rank: int, fingerprint: str | None, endpoint: str) -> None:
@@ -199,7 +59,7 @@ def _check_job_agrees(rank: int, fingerprint: str | None, endpoint: str) -> None
         )
 
 
-def _close(conn_box: list[_Conn | None], service: Any) -> None:
+def _close(conn_box: list[Connection | None], service: Any) -> None:
     conn = conn_box[0]
     if conn is not None:
         conn.close()
@@ -215,6 +75,8 @@ class EntrainLoader:
     the global rank; the plan the service sends maps it to its replica).
     ``prefetch`` microbatches may be in flight; ``timeout`` bounds every wait.
     ``curve_server_key`` (the service's public key) enables CURVE on tcp.
+    ``direct=False`` asks for every microbatch through the coordinator even when the
+    service is on this host (the route of earlier releases; for comparison).
     """
 
     def __init__(
@@ -225,6 +87,7 @@ class EntrainLoader:
         prefetch: int = 4,
         timeout: float = 60.0,
         curve_server_key: bytes | None = None,
+        direct: bool = True,
         _service: Any = None,
     ) -> None:
         if not isinstance(rank, int) or rank < 0:
@@ -234,20 +97,27 @@ class EntrainLoader:
         self.endpoint, self.rank = endpoint, rank
         self.prefetch, self.timeout = prefetch, float(timeout)
         self._curve = curve_server_key
+        self._direct = direct
         self._position = (0, 0, 0)
         self._owed = False  # a yielded microbatch whose credit is not yet returned
         self._expect_end: int | None = None  # the epoch whose end marker is still to come
         self._seed: int | None = None
         self._fingerprint: str | None = None
         self._data_fingerprint: str | None = None
-        self._box: list[_Conn | None] = [None]
+        self._box: list[Connection | None] = [None]
         self._service = _service
         self._finalizer = weakref.finalize(self, _close, self._box, _service)
 
     # ----------------------------------------------------------- constructors
     @classmethod
     def local(
-        cls, *, rank: int = 0, prefetch: int = 4, timeout: float = 60.0, **service_options: Any
+        cls,
+        *,
+        rank: int = 0,
+        prefetch: int = 4,
+        timeout: float = 60.0,
+        direct: bool = True,
+        **service_options: Any,
     ) -> EntrainLoader:
         """Start a loader service for this (single-node) job and connect to it.
 
@@ -259,7 +129,14 @@ class EntrainLoader:
         from entrain_data.workers.service import start_service
 
         service = start_service(**service_options)
-        return cls(service.endpoint, rank, prefetch=prefetch, timeout=timeout, _service=service)
+        return cls(
+            service.endpoint,
+            rank,
+            prefetch=prefetch,
+            timeout=timeout,
+            direct=direct,
+            _service=service,
+        )
 
     @classmethod
     def wrap(
@@ -272,6 +149,7 @@ class EntrainLoader:
         workers: int | None = None,
         prefetch: int = 4,
         timeout: float = 60.0,
+        direct: bool = True,
         **service_options: Any,
     ) -> EntrainLoader:
         """Run a user's torch ``Dataset`` (or a ``DataLoader``'s dataset and collate) in the pool.
@@ -288,12 +166,19 @@ class EntrainLoader:
         service = start_for_dataset(
             dataloader_or_dataset, cost_fn, plan=plan, workers=workers, rank=rank, **service_options
         )
-        return cls(service.endpoint, rank, prefetch=prefetch, timeout=timeout, _service=service)
+        return cls(
+            service.endpoint,
+            rank,
+            prefetch=prefetch,
+            timeout=timeout,
+            direct=direct,
+            _service=service,
+        )
 
     # ---------------------------------------------------------------- state
-    def _conn(self) -> _Conn:
+    def _conn(self) -> Connection:
         if self._box[0] is None:
-            self._box[0] = _Conn(
+            self._box[0] = Connection(
                 self.endpoint,
                 self.rank,
                 self._position,
@@ -304,6 +189,7 @@ class EntrainLoader:
                 self.timeout,
                 self._curve,
                 self._service,
+                self._direct,
             )
             info = self._box[0].info
             self._seed, self._fingerprint = info["seed"], info["fingerprint"]
@@ -366,30 +252,17 @@ class EntrainLoader:
             return
         while True:
             if self._owed:  # the consumer is done with the last microbatch: one more may come
-                conn._send("credit", {"n": 1})
+                conn._send("credit", {"n": 1, "next": list(self._position)})
                 self._owed = False
             if self._expect_end is not None:
-                msg = conn.recv(self.timeout, f"the end of epoch {self._expect_end}")
-                if msg.kind != "end" or msg.header.get("epoch") != self._expect_end:
-                    raise ProtocolError(
-                        f"rank {self.rank}: expected the end of epoch {self._expect_end}, "
-                        f"received {msg.kind!r}"
-                    )
+                if not conn.direct:  # the coordinator marks the end after the last one it sent
+                    conn.wait_end(self._expect_end, self.timeout)
                 self._expect_end = None
                 return
             epoch, it, mb = self._position
             what = f"epoch {epoch} iteration {it} microbatch {mb}"
-            msg = conn.recv(self.timeout, what)
-            if msg.kind != "batch":
-                raise ProtocolError(f"unexpected {msg.kind!r} message while waiting for {what}")
-            got = (
-                msg.header.get("epoch"),
-                msg.header.get("iteration"),
-                msg.header.get("microbatch"),
-            )
-            if got != (epoch, it, mb):
-                raise ProtocolError(f"rank {self.rank}: expected {what}, received {got}")
-            batch = Microbatch.from_tensors(msg.header, _tensors(msg))
+            msg = conn.next_batch(self._position, what, self.timeout)
+            batch = Microbatch.from_tensors(msg.header, tensors_of(msg))
             per_it = conn.info["microbatches"]
             it, mb = divmod(it * per_it + mb + 1, per_it)
             if it == conn.info["iterations"]:

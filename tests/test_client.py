@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_service import settled_stats
 
 from entrain_data.client import EntrainLoader
 from entrain_data.errors import InvalidInput
@@ -74,7 +75,7 @@ def test_local_loader_serves_packed_multimodal_microbatches(tmp_path, demo_index
                 grid = m["image_grid_thw"]
                 assert m["pixel_values"].shape[0] == int(grid.prod(dim=1).sum())
         assert list(loader) == []  # the only epoch is over
-        stats = loader.stats()
+        stats = settled_stats(loader, len(keys))
         assert stats["samples_served"] == len(keys) and stats["bytes_served"] > 0
         assert sum(w["tasks"] for w in stats["workers"]) >= 4
     assert not (tmp_path / "entrain-s").exists()

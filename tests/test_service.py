@@ -207,6 +207,20 @@ def close_all(loaders):
         ld.close()
 
 
+def settled_stats(loader, samples: int, wait: float = 10.0) -> dict:
+    """The service's stats once every worker's report of ``samples`` delivered samples is in.
+
+    On the direct route a rank can hold its last microbatch before the worker that sent it
+    has reported to the coordinator, so the counters settle a moment after the data arrives.
+    """
+    deadline = time.monotonic() + wait
+    while True:
+        stats = loader.stats()
+        if stats["samples_served"] >= samples or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.1)
+
+
 def assert_exactly_once(out, keys):
     enc = [k for mbs in out.values() for mb in mbs for k in mb.encoder_keys]
     llm = [k for mbs in out.values() for mb in mbs for k in mb.llm_keys]
@@ -230,7 +244,7 @@ def test_exactly_once_two_ranks_and_clean_shutdown(tmp_path, dataset):
                 assert not mb["input_ids"].untyped_storage().resizable()
                 cu = mb["cu_seqlens"]
                 assert int(cu[-1]) == mb.num_tokens and len(cu) == len(mb.llm_keys) + 1
-        stats = loaders[0].stats()
+        stats = settled_stats(loaders[0], len(keys))
         assert stats["samples_served"] == len(keys)
         assert stats["microbatches_served"] == 2 * 12 and stats["bytes_served"] > 0
         assert stats["assignment_latency_s"]["count"] >= 4

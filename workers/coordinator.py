@@ -16,7 +16,6 @@ import logging
 import signal
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -37,6 +36,7 @@ from .assign_ahead import AssignAhead
 from .config import ServiceConfig, State
 from .hello import check_hello
 from .pool import WorkerPool
+from .production import Production, RankState, reachable_data_endpoint
 from .sample_source import encoder_stats
 from .schedule import Scheduler, data_fingerprint, digest
 from .skips import SkipRecord, parse_budget
@@ -49,15 +49,6 @@ log = logging.getLogger(__name__)
 _POLL_MS = 200
 _ASSIGN_POLL_MS = 5
 _WORKER_CAPACITY = 2
-
-
-@dataclass
-class _Rank:
-    ident: bytes
-    rank: int
-    replica: int
-    next_pos: int
-    credits: int = 0
 
 
 class Coordinator:
@@ -100,14 +91,10 @@ class Coordinator:
         )
         self._recorded_epochs: set[int] = set()
         self.ahead: AssignAhead | None = None
-        self.ranks: dict[int, _Rank] = {}
+        self.ranks: dict[int, RankState] = {}
         self.by_ident: dict[bytes, int] = {}
         self.done: set[int] = set()
-        # (replica, pos) -> (batch frames, LLM samples in it)
-        self.ready: dict[tuple[int, int], tuple[list[Any], int]] = {}
-        self.queue: deque[tuple[int, int]] = deque()
-        self.in_flight: dict[int, tuple[int, int]] = {}  # task id -> (replica, pos)
-        self.wanted_flight: dict[tuple[int, int], int] = {}
+        self.production = Production(cfg.window, self.end_pos)
         self.next_task = 0
         self.counters = Counters()
         self.error: EntrainError | None = None
@@ -214,6 +201,13 @@ class Coordinator:
         while not self._stop:
             # while microbatches wait for their iteration's assignment, look again soon
             events = dict(poller.poll(_ASSIGN_POLL_MS if self._awaiting else _POLL_MS))
+            for sock in (back, remote):  # results first: a rank's next request may follow one
+                for _ in range(64 if sock in events else 0):
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._on_worker(front, pool, frames, sock if sock is remote else None)
             if front in events:
                 for _ in range(64):
                     try:
@@ -221,18 +215,11 @@ class Coordinator:
                     except zmq.Again:
                         break
                     self._on_client(front, frames)
-            for sock in (back, remote):
-                for _ in range(64 if sock in events else 0):
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self._on_worker(front, pool, frames, sock if sock is remote else None)
             if self._stop:
                 break  # a signal arrived: do not restart workers that it may have stopped
             lost = pool.reap()
             if lost:
-                self._requeue(lost)
+                self.production.lost(lost, self.ranks)
                 self.counters.tasks_reissued += len(lost)
             if pool.fatal is not None:
                 self._fail(front, pool.fatal)
@@ -241,7 +228,6 @@ class Coordinator:
             if self.ahead is not None and self.ahead.error is not None:
                 self._fail(front, self.ahead.error)
             if self.error is None:
-                self._plan_work()
                 self._dispatch(back, pool)
                 self._deliver(front)
             self._maybe_log_stats()
@@ -278,11 +264,13 @@ class Coordinator:
             self._reject(front, ident, f"unknown peer sent {msg.kind!r} before hello")
             return
         if msg.kind == "credit":
-            n = msg.header.get("n")
-            if not isinstance(n, int) or n < 0 or n > 1 << 20:
-                self._reject(front, ident, f"bad credit count {n!r}")
-                return
-            self.ranks[rank].credits += n
+            r = self.ranks[rank]
+            try:
+                r.credit(msg.header, self.shape.position, self.end_pos)
+            except ProtocolError as exc:
+                self._reject(front, ident, str(exc))
+            if r.data is not None and r.next_pos >= self.end_pos:
+                self.done.add(rank)
         elif msg.kind == "stats":
             self._reply(front, ident, "stats", {"stats": self.stats()})
         elif msg.kind == "bye":
@@ -311,7 +299,15 @@ class Coordinator:
         old = self.ranks.get(rank)
         if old is not None:
             self.by_ident.pop(old.ident, None)
-        self.ranks[rank] = _Rank(ident, rank, coords.replica, self.shape.position(epoch, it, mb))
+        stage = self.plan.stages[coords.stage]
+        self.ranks[rank] = RankState(
+            ident,
+            rank,
+            coords.replica,
+            self.shape.position(epoch, it, mb),
+            data=reachable_data_endpoint(h.get("data")),
+            features=any(seg.kind == "encoder" for seg in stage.segments) or self.plan.pp == 1,
+        )
         self.by_ident[ident] = rank
         self.done.discard(rank)
         self._reply(
@@ -329,9 +325,13 @@ class Coordinator:
                 "epochs": self.cfg.epochs,
                 "iterations": self.shape.iterations,
                 "microbatches": self.shape.microbatches,
+                "direct": self.ranks[rank].data is not None,
             },
         )
-        log.info("rank %d (replica %d) connected at %s", rank, coords.replica, (epoch, it, mb))
+        route = "direct" if self.ranks[rank].data else "by the coordinator"
+        log.info(
+            "rank %d (replica %d) at %s, served %s", rank, coords.replica, (epoch, it, mb), route
+        )
         if elastic:
             why = "resumes under a new plan at its iteration's start (re-assigned by this plan)"
             log.warning("rank %d %s: epoch %d iteration %d", rank, why, epoch, it)
@@ -339,43 +339,25 @@ class Coordinator:
             self.done.add(rank)
 
     # ------------------------------------------------------------ production
-    def _wanted(self) -> set[tuple[int, int]]:
-        want: set[tuple[int, int]] = set()
-        for r in self.ranks.values():
-            ahead = max(self.cfg.window, min(r.credits, 4 * self.cfg.window))  # bounded
-            hi = min(r.next_pos + ahead, self.end_pos)
-            want.update((r.replica, p) for p in range(r.next_pos, hi))
-        return want
-
-    def _plan_work(self) -> None:
-        want = self._wanted()
-        for key in [k for k in self.ready if k not in want]:
-            del self.ready[key]
-        self.queue = deque(k for k in self.queue if k in want)
-        queued = set(self.queue)
-        for key in sorted(want, key=lambda k: (k[1], k[0])):
-            if key not in self.ready and key not in self.wanted_flight and key not in queued:
-                self.queue.append(key)
-
-    def _requeue(self, task_ids: list[int]) -> None:
-        for tid in task_ids:
-            key = self.in_flight.pop(tid, None)
-            if key is not None:
-                self.wanted_flight.pop(key, None)
-                self.queue.appendleft(key)
-
     def _dispatch(self, back: zmq.Socket, pool: WorkerPool) -> None:
         """Send queued microbatches to idle workers; ones still being assigned wait their turn."""
         assert self.ahead is not None
+        prod = self.production
+        prod.plan(list(self.ranks.values()))
         waiting: deque[tuple[int, int]] = deque()
-        while self.queue:
+        while prod.queue:
             worker = pool.idle_worker(_WORKER_CAPACITY)
             if worker is None:
                 break
-            replica, pos = self.queue.popleft()
+            replica, pos = key = prod.queue.popleft()
             slot = self.ahead.slot(replica, pos)
             if slot is None:
-                waiting.append((replica, pos))
+                waiting.append(key)
+                continue
+            flight = prod.take(
+                list(self.ranks.values()), key, reaches_ranks=worker.process is not None
+            )
+            if flight is None:
                 continue
             epoch, it, mb = self.shape.locate(pos)
             self._record_left_out(epoch)
@@ -392,14 +374,18 @@ class Coordinator:
                     "encoder_rows": slot.encoder_rows.tolist(),
                     "llm_rows": slot.llm_rows.tolist(),
                     "encoder_calls": slot.encoder_calls,
+                    "deliver": [
+                        [rank, self.ranks[rank].data, self.ranks[rank].features]
+                        for rank, _ in flight.dests
+                    ],
+                    "payload": flight.payload,
                 },
             )
             pool.send(worker, tid, frames)
-            self.in_flight[tid] = (replica, pos)
-            self.wanted_flight[(replica, pos)] = tid
+            prod.launched(tid, flight, self.ranks)
         self._awaiting = bool(waiting)
-        waiting.extend(self.queue)
-        self.queue = waiting
+        waiting.extend(prod.queue)
+        prod.queue = waiting
 
     def _record_left_out(self, epoch: int) -> None:
         if epoch not in self._recorded_epochs:
@@ -431,12 +417,10 @@ class Coordinator:
             pool.start_failed(ident, error_from_fields(head.header))
             return
         pool.task_done(ident, tid)
-        key = self.in_flight.pop(tid, None)
-        if key is None:
-            return  # a task re-issued after its worker was presumed dead
-        self.wanted_flight.pop(key, None)
+        h = head.header
         if head.kind == "failed":
-            h = head.header
+            if self.production.failed(tid, self.ranks) is None:
+                return  # a task re-issued after its worker was presumed dead
             where = (
                 f"epoch {h.get('epoch')} iteration {h.get('iteration')} "
                 f"microbatch {h.get('microbatch')}: "
@@ -446,39 +430,52 @@ class Coordinator:
         if head.kind != "result":
             log.error("unexpected %r message from worker %r", head.kind, ident)
             return
-        try:
-            batch = protocol.decode(frames[2:])
-        except ProtocolError as exc:
-            self._fail(front, ProtocolError(f"worker {ident!r} sent a malformed microbatch: {exc}"))
+        payload = None
+        if len(frames) > 2:
+            try:
+                batch = protocol.decode(frames[2:])
+            except ProtocolError as exc:
+                why = f"worker {ident!r} sent a malformed microbatch: {exc}"
+                self._fail(front, ProtocolError(why))
+                return
+            payload = (list(frames[2:]), len(batch.header.get("llm_keys", [])))
+        reached = {int(x) for x in h.get("reached") or []}
+        flight = self.production.landed(tid, self.ranks, reached, payload)
+        if flight is None:
             return
         self.counters.tasks_done += 1
-        skipped = head.header.get("skipped") or []
+        samples, nbytes = int(h.get("samples", 0)), int(h.get("nbytes", 0))
+        self.counters.microbatches += len(reached)
+        self.counters.samples += samples * len(reached)
+        self.counters.bytes += int(h.get("sent_bytes", 0))
+        skipped = h.get("skipped") or []
         if skipped:
-            epoch, it, _ = self.shape.locate(key[1])
+            epoch, it, _ = self.shape.locate(flight.key[1])
             self.record.add_skipped(skipped, epoch, it)
             self.counters.skipped = len(self.record.skipped)
             over = self.record.over_budget()
             if over is not None:
                 self._fail(front, over)
                 return
-        pool.account(ident, sum(s.nbytes for s in batch.specs), len(batch.header["llm_keys"]))
-        self.ready[key] = (list(frames[2:]), len(batch.header.get("llm_keys", [])))
+        pool.account(ident, nbytes, samples)
 
     # -------------------------------------------------------------- delivery
     def _deliver(self, front: zmq.Socket) -> None:
+        """Forward payloads held here (hop ranks; direct ranks a remote worker packed for)."""
         for r in list(self.ranks.values()):
-            while r.credits > 0 and r.next_pos < self.end_pos:
-                item = self.ready.get((r.replica, r.next_pos))
-                if item is None:
-                    break
-                frames, nsamples = item
-                self.counters.samples += nsamples
+            for pos, frames, nsamples in self.production.deliverable(r):
                 front.send_multipart([r.ident, *frames], copy=False)
+                self.counters.samples += nsamples
                 self.counters.microbatches += 1
-                self.counters.bytes += sum(len(f) for f in frames[1:])
+                nbytes = sum(len(f) for f in frames[1:])
+                self.counters.bytes += nbytes
+                self.counters.relayed += nbytes
+                if r.data is not None:
+                    r.sent.add(pos)
+                    continue
                 r.credits -= 1
                 r.next_pos += 1
-                epoch, it, mb = self.shape.locate(r.next_pos - 1)
+                epoch, it, mb = self.shape.locate(pos)
                 if it == self.shape.iterations - 1 and mb == self.shape.microbatches - 1:
                     self._reply(front, r.ident, "end", {"epoch": epoch})
                 if r.next_pos >= self.end_pos:

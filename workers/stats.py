@@ -17,6 +17,7 @@ class Counters:
     microbatches: int = 0
     samples: int = 0
     bytes: int = 0
+    relayed: int = 0  # payload bytes that passed through the coordinator (hop route)
     tasks_done: int = 0
     tasks_reissued: int = 0
     rejected_messages: int = 0
@@ -32,6 +33,7 @@ def service_stats(coord: Any) -> dict[str, Any]:
         "uptime_s": round(time.monotonic() - c.started, 3),
         "microbatches_served": c.microbatches,
         "bytes_served": c.bytes,
+        "bytes_relayed": c.relayed,
         "samples_served": c.samples,
         "tasks_done": c.tasks_done,
         "tasks_reissued": c.tasks_reissued,
@@ -39,11 +41,12 @@ def service_stats(coord: Any) -> dict[str, Any]:
         "skipped_samples": c.skipped,
         "left_out_samples": coord.record.left_out,
         "queue": {
-            "ready": len(coord.ready),
-            "queued": len(coord.queue),
-            "in_flight": len(coord.in_flight),
+            "ready": len(coord.production.ready),
+            "queued": len(coord.production.queue),
+            "in_flight": len(coord.production.in_flight),
         },
         "ranks": {str(r.rank): r.next_pos for r in coord.ranks.values()},
+        "direct_ranks": sorted(r.rank for r in coord.ranks.values() if r.data is not None),
         "assignment_latency_s": {
             "count": len(lat),
             "mean": (sum(lat) / len(lat)) if lat else 0.0,

@@ -6,8 +6,10 @@ The pool that starts these processes is :mod:`.pool`; what they pack comes from 
 The worker owns nothing but its packer (open shards, the user's transform); its
 sockets and packer are created inside the process (spawn start method), never
 inherited. A task names table rows; the worker reads, decodes and packs them and
-replies with a ``result`` envelope (a small header naming the task, then a
-complete ``batch`` message the coordinator forwards to the ranks unchanged).
+sends it straight to the ranks the task names (:mod:`.delivery`), then replies
+with a ``result`` envelope: a small header naming the task and the ranks reached,
+followed by the complete ``batch`` message only when the coordinator asked for the
+payload (ranks it serves itself; a remote worker always returns it).
 
 Sample errors follow the policy: ``raise`` reports ``failed`` with the error's
 type and fields (a ``SampleError`` names shard and key) and the coordinator stops;
@@ -31,6 +33,7 @@ from entrain_data import protocol
 from entrain_data.encoder_calls import ENCODER_CALLS_KEY
 from entrain_data.errors import EntrainError, InvalidInput, error_fields
 
+from .delivery import Deliverer
 from .sample_source import Packed, Packer, SampleSource
 
 __all__ = ["Packed", "run_worker", "run_remote_worker"]
@@ -56,9 +59,13 @@ def run_worker(
     sock.setsockopt(zmq.LINGER, 1000)
     sock.setsockopt(zmq.SNDTIMEO, 1000)
     sock.connect(endpoint)
+    deliverer = Deliverer(ctx)
     try:
-        _serve_tasks(sock, source, f"worker {index}", _parent_gone_check(), heartbeat=False)
+        _serve_tasks(
+            sock, source, f"worker {index}", _parent_gone_check(), heartbeat=False, out=deliverer
+        )
     finally:
+        deliverer.close()
         sock.close(linger=0)
         ctx.term()
 
@@ -112,6 +119,7 @@ def _serve_tasks(
     gone: Callable[[], bool],
     *,
     heartbeat: bool,
+    out: Deliverer | None = None,
 ) -> None:
     """Build the packer, say ready, then pack every task until ``stop`` (or the service is gone)."""
     try:
@@ -143,7 +151,7 @@ def _serve_tasks(
         if msg.kind != "task":
             log.error("%s: unexpected %r message", label, msg.kind)
             continue
-        if not _send(sock, _run_task(packer, msg.header), gone) and not heartbeat:
+        if not _send(sock, _run_task(packer, msg.header, out), gone) and not heartbeat:
             log.warning("%s: coordinator gone, exiting", label)
             return
 
@@ -169,7 +177,8 @@ def _send(sock: zmq.Socket, frames: list[Any], parent: Callable[[], bool]) -> bo
                 return False
 
 
-def _run_task(packer: Packer, task: dict[str, Any]) -> list[Any]:
+def _run_task(packer: Packer, task: dict[str, Any], out: Deliverer | None) -> list[Any]:
+    """Pack one task, deliver it to the ranks it names, return the coordinator's reply."""
     ident = {k: task[k] for k in ("task", "epoch", "iteration", "microbatch", "replica")}
     try:
         packed = packer(list(task["encoder_rows"]), list(task["llm_rows"]))
@@ -189,5 +198,17 @@ def _run_task(packer: Packer, task: dict[str, Any]) -> list[Any]:
     }
     if task.get("encoder_calls") is not None:  # group-wide calls for sharded data parallelism
         fields["meta"] = {**packed.meta, ENCODER_CALLS_KEY: task["encoder_calls"]}
-    envelope = protocol.encode("result", {**ident, "skipped": packed.skipped})
+    dests = task.get("deliver") or []
+    reached, sent = out.send(dests, fields, packed.tensors) if out and dests else ([], 0)
+    summary = {
+        **ident,
+        "skipped": packed.skipped,
+        "reached": reached,
+        "sent_bytes": sent,
+        "samples": len(packed.llm_keys),
+        "nbytes": int(sum(v.nbytes for v in packed.tensors.values())),
+    }
+    envelope = protocol.encode("result", summary)
+    if not task.get("payload", True) and out is not None:
+        return envelope
     return envelope + protocol.encode("batch", fields, packed.tensors)

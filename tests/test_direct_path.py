@@ -1,0 +1,159 @@
+"""The direct data path: workers send microbatches straight to the ranks on their host.
+
+The coordinator keeps control (schedule, credits, recovery) and no payload byte
+passes through it (``bytes_relayed`` stays 0); a rank that asks for the route of
+earlier releases (``direct=False``) or cannot be reached gets the same stream
+through the coordinator. A rank on a pipeline stage without encoder layers gets
+its microbatches without the encoder feature tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from entrain_data.workers.sample_source import CustomSource, Packed
+from entrain_data.workers.service import start_service
+from test_service import (
+    IndexKeys,
+    TarTextPacker,
+    TextCosts,
+    assert_exactly_once,
+    close_all,
+    make_plan,
+    make_shards,
+    run_ranks,
+    settled_stats,
+    start,
+)
+
+from entrain_data.client import EntrainLoader
+from entrain_data.metadata import read_index
+from entrain_data.plan import ParallelPlan, StagePlan, StageSegment
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    return make_shards(tmp_path)
+
+
+def _stream(out):
+    return {
+        r: [(mb.epoch, mb.iteration, mb.microbatch, mb.llm_keys) for mb in v]
+        for r, v in out.items()
+    }
+
+
+def test_direct_route_carries_every_byte_and_the_coordinator_none(tmp_path, dataset):
+    keys = list(read_index(dataset).keys)
+    svc = start(tmp_path, dataset, make_plan(), seed=5)
+    try:
+        out, loaders = run_ranks(svc.endpoint, [0, 1])
+        assert_exactly_once(out, keys)
+        stats = settled_stats(loaders[0], len(keys))
+        assert stats["direct_ranks"] == [0, 1]
+        assert stats["bytes_served"] > 0 and stats["bytes_relayed"] == 0
+        assert stats["queue"]["ready"] == 0  # no payload held by the coordinator
+        assert stats["samples_served"] == len(keys)
+        close_all(loaders)
+        assert svc.wait(15) == 0  # the service knows its direct ranks are done
+    finally:
+        svc.close()
+    assert not (tmp_path / "entrain-sock").exists()
+    direct = _stream(out)
+
+    svc = start(tmp_path, dataset, make_plan(), seed=5)
+    try:  # rank 1 through the coordinator, rank 0 direct: the same stream
+        loaders = [
+            EntrainLoader(svc.endpoint, 0, prefetch=2, timeout=30),
+            EntrainLoader(svc.endpoint, 1, prefetch=2, timeout=30, direct=False),
+        ]
+        mixed = {ld.rank: list(ld) for ld in loaders}
+        stats = loaders[0].stats()
+        assert stats["direct_ranks"] == [0] and stats["bytes_relayed"] > 0
+        close_all(loaders)
+    finally:
+        svc.close()
+    assert _stream(mixed) == direct
+
+
+def test_a_rank_holds_at_most_its_prefetch(tmp_path, dataset):
+    svc = start(tmp_path, dataset, make_plan(), workers=2)
+    loader = EntrainLoader(svc.endpoint, 0, prefetch=2, timeout=30)
+    try:
+        it = iter(loader)
+        next(it)
+        time.sleep(1.5)  # workers are idle otherwise: they would overfill an unbounded rank
+        conn = loader._box[0]
+        assert conn.direct
+        conn._poll_one(0.2, "anything")  # drain what arrived, then count
+        assert len(conn.batches) <= 2
+        rest = list(it)
+        assert len(rest) == 11
+    finally:
+        loader.close()
+        svc.close()
+
+
+@dataclass(frozen=True)
+class PixelPacker:
+    """The text packer plus a uint8 ``pixel_values`` row block per encoder-set sample."""
+
+    text: TarTextPacker
+
+    def __call__(self):
+        inner = self.text()
+
+        def pack(encoder_rows, llm_rows) -> Packed:
+            p = inner(encoder_rows, llm_rows)
+            n = len(p.encoder_keys)
+            pixels = (np.arange(n * 4 * 12) % 251).astype(np.uint8).reshape(n * 4, 12)
+            owner = np.repeat(np.arange(n, dtype=np.int64), 4)
+            tensors = {**p.tensors, "pixel_values": pixels, "image_sample": owner}
+            return Packed(p.encoder_keys, p.llm_keys, tensors, p.meta, p.skipped)
+
+        return pack
+
+
+def _two_stage_plan() -> ParallelPlan:
+    enc = StageSegment("vision", 0, 0, 2, True, True)
+    llm_a = StageSegment("llm", None, 0, 1, True, False)
+    llm_b = StageSegment("llm", None, 1, 2, False, True)
+    return ParallelPlan(
+        world_size=2,
+        gpus_per_node=8,
+        dp=1,
+        tp=1,
+        pp=2,
+        stages=(StagePlan(0, (enc, llm_a)), StagePlan(1, (llm_b,))),
+        microbatches=3,
+        global_batch=6,
+        max_tokens=1 << 20,
+        defer_budget=1 << 20,
+        method="entrain",
+    )
+
+
+def test_each_pipeline_stage_receives_what_it_reads(tmp_path, dataset):
+    source = CustomSource(
+        PixelPacker(TarTextPacker(str(dataset))), TextCosts(str(dataset)), IndexKeys(str(dataset))
+    )
+    svc = start_service(
+        plan=_two_stage_plan(), source=source, workers=2, socket_dir=str(tmp_path / "sock")
+    )
+    try:
+        out, loaders = run_ranks(svc.endpoint, [0, 1])
+        first, last = out[0], out[1]
+        assert [mb.llm_keys for mb in first] == [mb.llm_keys for mb in last]
+        assert all("pixel_values" in mb and "image_sample" in mb for mb in first)
+        assert all("pixel_values" not in mb for mb in last)  # the bulk stays with stage 0
+        for a, b in zip(first, last):
+            assert a["input_ids"].equal(b["input_ids"]) and a["cu_seqlens"].equal(b["cu_seqlens"])
+        assert sum(len(mb.encoder_keys) for mb in first) == len(read_index(dataset).keys)
+        close_all(loaders)
+    finally:
+        svc.close()

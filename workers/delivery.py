@@ -1,0 +1,87 @@
+"""A worker's direct route: send a packed microbatch straight to the ranks that need it.
+
+The task names each destination rank with its ipc data socket and whether its
+pipeline stage reads the encoder inputs. The first pipeline stage (or any stage
+holding an encoder) gets the whole microbatch; a stage that holds only LLM layers
+gets it without the encoder feature tensors (pixels, video pixels, audio
+features), which are nearly all of its bytes and which that stage never reads.
+The frames of each variant are encoded once and sent zero-copy to every rank
+that takes it.
+
+One PUSH socket per destination, kept while it is in use (a bounded cache: ranks
+that reconnect get new sockets). A send that cannot be queued at once (the rank
+is gone and its queue is full) is not retried here: the rank is left out of the
+``reached`` list and the coordinator, which knows whether the rank is still
+connected, asks again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Any
+
+import zmq
+
+from entrain_data import protocol
+
+__all__ = ["FEATURE_TENSORS", "Deliverer"]
+
+log = logging.getLogger(__name__)
+
+FEATURE_TENSORS = frozenset({"pixel_values", "pixel_values_videos", "audio_features"})
+"""Encoder inputs a stage without encoder layers never reads (``entrain_data.batch`` names)."""
+
+_MAX_SOCKETS = 64
+_SNDHWM = 64  # messages queued per rank; a rank's window is far smaller
+
+
+class Deliverer:
+    """The worker's sockets to ranks; :meth:`send` returns the ranks reached and bytes sent."""
+
+    def __init__(self, ctx: zmq.Context) -> None:
+        self.ctx = ctx
+        self.socks: OrderedDict[str, zmq.Socket] = OrderedDict()
+
+    def _sock(self, endpoint: str) -> zmq.Socket:
+        sock = self.socks.pop(endpoint, None)
+        if sock is None:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.setsockopt(zmq.SNDHWM, _SNDHWM)
+            sock.connect(endpoint)
+        self.socks[endpoint] = sock  # most recently used last
+        while len(self.socks) > _MAX_SOCKETS:
+            _, old = self.socks.popitem(last=False)
+            old.close(linger=0)
+        return sock
+
+    def send(
+        self, dests: list[Any], fields: dict[str, Any], tensors: dict[str, Any]
+    ) -> tuple[list[int], int]:
+        """Send the ``batch`` message to every ``[rank, endpoint, features]`` in ``dests``."""
+        variants: dict[bool, list[Any]] = {}
+        reached: list[int] = []
+        sent = 0
+        for rank, endpoint, features in dests:
+            frames = variants.get(bool(features))
+            if frames is None:
+                kept = tensors if features else _without_features(tensors)
+                frames = variants[bool(features)] = protocol.encode("batch", fields, kept)
+            try:
+                self._sock(endpoint).send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            except zmq.ZMQError as exc:  # Again (queue full) or a bad endpoint
+                log.warning("rank %s at %s not reached: %s", rank, endpoint, exc)
+                continue
+            reached.append(int(rank))
+            sent += sum(len(f) for f in frames[1:])  # uint8 views: len is bytes
+        return reached, sent
+
+    def close(self) -> None:
+        for sock in self.socks.values():
+            sock.close()  # linger: what was queued still leaves
+        self.socks.clear()
+
+
+def _without_features(tensors: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in tensors.items() if k not in FEATURE_TENSORS}

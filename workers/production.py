@@ -1,0 +1,238 @@
+"""What the coordinator produces and where each microbatch goes: windows, queue, flights, delivery.
+
+A rank is served by one of two routes, chosen at its ``hello``:
+
+- **direct**: the rank is on this host (its ``hello`` named an ipc data socket this
+  service can reach, see :func:`reachable_data_endpoint`). The task names the rank
+  as a destination and the worker that packs the microbatch sends it straight to
+  the rank; the coordinator sees only the worker's short report of who was
+  reached. No payload byte passes through the coordinator.
+- **hop**: any other rank (another host, ``direct=False``). The worker returns the
+  payload; the coordinator keeps it in ``ready`` while some rank's window holds it
+  and forwards it (zero-copy frames) as it always did.
+
+Windows bound memory on both routes. A hop rank's window starts at the next
+position to send and reaches as far as its credits (at least ``window``); a
+direct rank's starts at the next position it will *yield* (every credit says
+which) and holds ``prefetch`` positions, so its reorder buffer never holds more.
+A position that left every window is dropped; the stream is a pure function of
+the seed, so anything dropped, lost with a worker or sent to a rank that has
+since reconnected is simply rebuilt.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from entrain_data.errors import ProtocolError
+
+__all__ = ["RankState", "Flight", "Production", "reachable_data_endpoint"]
+
+Key = tuple[int, int]  # (replica, stream position)
+
+
+@dataclass
+class RankState:
+    """One connected rank, as the coordinator tracks it."""
+
+    ident: bytes
+    rank: int
+    replica: int
+    next_pos: int  # hop: the next position to send; direct: the next the rank will yield
+    credits: int = 0  # hop: microbatches it may still be sent
+    data: str | None = None  # direct: the rank's ipc data socket
+    features: bool = True  # its pipeline stage reads the encoder inputs (pixels, audio)
+    ahead: int = 0  # direct: the prefetch it granted (positions past next_pos it may hold)
+    sent: set[int] = field(default_factory=set)  # direct: delivered, not yet yielded
+    flying: set[int] = field(default_factory=set)  # direct: in a task that names it
+
+    def credit(self, h: dict[str, Any], position: Callable[..., int], end_pos: int) -> None:
+        """A ``credit``: a hop rank may be sent ``n`` more; a direct rank says where it is
+        (``next``) and, while it waits, what it holds (``have``): anything believed
+        delivered but not held was lost on the way (a worker killed before its socket
+        flushed) and is sent again. Raises ProtocolError for a malformed field."""
+        n = h.get("n")
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= 1 << 20:
+            raise ProtocolError(f"bad credit count {n!r}")
+        self.credits += n
+        if self.data is None:
+            return
+        self.ahead = max(self.ahead, n)  # the first credit is the rank's prefetch
+        try:
+            if h.get("next") is not None:
+                pos = position(*(int(x) for x in h["next"]))
+                self.next_pos = max(self.next_pos, min(pos, end_pos))
+            if isinstance(h.get("have"), list):
+                self.sent &= {position(*(int(x) for x in k)) for k in h["have"]}
+        except (TypeError, ValueError) as exc:
+            raise ProtocolError(f"bad position in a credit: {exc}") from None
+
+
+@dataclass
+class Flight:
+    """A task on its way: its microbatch, the ranks it goes to directly, and whether the
+    coordinator wants the payload back (some hop rank, or a worker that cannot reach ranks)."""
+
+    key: Key
+    dests: list[tuple[int, bytes]]  # (rank, identity at dispatch)
+    payload: bool
+
+
+def reachable_data_endpoint(data: Any) -> str | None:
+    """The rank's ipc data socket if this process can reach it, else None (serve by hop).
+
+    The rank writes a random token beside its socket and sends it in ``hello``:
+    reading the same token here proves both see one filesystem (one host, one
+    mount namespace), which a hostname alone does not (containers).
+    """
+    if not isinstance(data, dict):
+        return None
+    endpoint, token = data.get("endpoint"), data.get("token")
+    if not (isinstance(endpoint, str) and isinstance(token, str) and token):
+        return None
+    if not endpoint.startswith("ipc://"):
+        return None
+    path = os.path.join(os.path.dirname(endpoint[len("ipc://") :]), "token")
+    try:
+        with open(path, encoding="ascii") as f:
+            return endpoint if f.read(128).strip() == token else None
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+class Production:
+    """The queue of microbatches to build, the tasks in flight and the payloads held."""
+
+    def __init__(self, window: int, end_pos: int) -> None:
+        self.window, self.end_pos = window, end_pos
+        self.ready: dict[Key, tuple[list[Any], int]] = {}  # payload frames, LLM samples
+        self.queue: deque[Key] = deque()
+        self.in_flight: dict[int, Flight] = {}
+        self.wanted_flight: dict[Key, int] = {}  # key -> task bringing its payload back
+
+    # ---------------------------------------------------------------- windows
+    def _hop_window(self, r: RankState) -> range:
+        ahead = max(self.window, min(r.credits, 4 * self.window))  # bounded
+        return range(r.next_pos, min(r.next_pos + ahead, self.end_pos))
+
+    def _direct_window(self, r: RankState) -> range:
+        return range(r.next_pos, min(r.next_pos + r.ahead, self.end_pos))
+
+    def _needs(self, r: RankState, pos: int) -> bool:
+        """A direct rank needs ``pos``: in its window, neither delivered nor on its way."""
+        return (
+            r.next_pos <= pos < min(r.next_pos + r.ahead, self.end_pos)
+            and pos not in r.sent
+            and pos not in r.flying
+        )
+
+    def plan(self, ranks: list[RankState]) -> None:
+        """Drop what left every window; queue what some window needs and nothing brings."""
+        hop: set[Key] = set()
+        direct: set[Key] = set()
+        for r in ranks:
+            if r.data is None:
+                hop.update((r.replica, p) for p in self._hop_window(r))
+            else:
+                r.sent = {p for p in r.sent if p >= r.next_pos}
+                direct.update((r.replica, p) for p in self._direct_window(r) if self._needs(r, p))
+        for key in [k for k in self.ready if k not in hop and k not in direct]:
+            del self.ready[key]
+        need = {k for k in hop if k not in self.ready and k not in self.wanted_flight}
+        need |= {k for k in direct if k not in self.ready}
+        self.queue = deque(k for k in self.queue if k in need)
+        queued = set(self.queue)
+        for key in sorted(need - queued, key=lambda k: (k[1], k[0])):
+            self.queue.append(key)
+
+    # ---------------------------------------------------------------- flights
+    def take(self, ranks: list[RankState], key: Key, *, reaches_ranks: bool) -> Flight | None:
+        """The flight for ``key`` now, or None if nothing needs it any more.
+
+        ``reaches_ranks``: the worker runs on this host and can send to direct ranks;
+        a remote worker returns the payload, which then reaches every rank by hop.
+        """
+        replica, pos = key
+        direct = [r for r in ranks if r.data is not None and r.replica == replica]
+        needers = [r for r in direct if self._needs(r, pos)] if key not in self.ready else []
+        hop = key not in self.ready and key not in self.wanted_flight
+        hop = hop and any(
+            r.data is None and r.replica == replica and pos in self._hop_window(r) for r in ranks
+        )
+        if not needers and not hop:
+            return None
+        if not reaches_ranks:
+            if key in self.wanted_flight:
+                return None  # its payload is already on the way; it serves them all
+            return Flight(key, [], True)
+        return Flight(key, [(r.rank, r.ident) for r in needers], hop)
+
+    def launched(self, tid: int, flight: Flight, by_rank: dict[int, RankState]) -> None:
+        self.in_flight[tid] = flight
+        if flight.payload:
+            self.wanted_flight[flight.key] = tid
+        for rank, _ in flight.dests:
+            by_rank[rank].flying.add(flight.key[1])
+
+    def _settle(self, tid: int, by_rank: dict[int, RankState], reached: set[int]) -> Flight | None:
+        flight = self.in_flight.pop(tid, None)
+        if flight is None:
+            return None  # a task re-issued after its worker was presumed dead
+        if self.wanted_flight.get(flight.key) == tid:
+            del self.wanted_flight[flight.key]
+        pos = flight.key[1]
+        for rank, ident in flight.dests:
+            r = by_rank.get(rank)
+            if r is None or r.ident != ident:
+                continue  # the rank reconnected since: its new connection asks again
+            r.flying.discard(pos)
+            if rank in reached:
+                r.sent.add(pos)
+        return flight
+
+    def lost(self, tids: list[int], by_rank: dict[int, RankState]) -> None:
+        """Tasks whose worker died: whatever they were to bring is needed again."""
+        for tid in tids:
+            flight = self._settle(tid, by_rank, set())
+            if flight is not None:
+                self.queue.appendleft(flight.key)
+
+    def landed(
+        self,
+        tid: int,
+        by_rank: dict[int, RankState],
+        reached: set[int],
+        payload: tuple[list[Any], int] | None,
+    ) -> Flight | None:
+        """A task's result: the ranks it reached, and its payload if it brought one back."""
+        flight = self._settle(tid, by_rank, reached)
+        if flight is not None and payload is not None:
+            self.ready[flight.key] = payload
+        return flight
+
+    def failed(self, tid: int, by_rank: dict[int, RankState]) -> Flight | None:
+        return self._settle(tid, by_rank, set())
+
+    # --------------------------------------------------------------- delivery
+    def deliverable(self, r: RankState) -> list[tuple[int, list[Any], int]]:
+        """Payloads held here that ``r`` may be sent now: (position, frames, samples), in order.
+
+        A hop rank takes them strictly in order, one credit each; a direct rank takes
+        any in its window it has not got (a payload a remote worker brought back).
+        """
+        out: list[tuple[int, list[Any], int]] = []
+        if r.data is None:
+            pos, credits = r.next_pos, r.credits
+            while credits > 0 and pos < self.end_pos and (r.replica, pos) in self.ready:
+                out.append((pos, *self.ready[(r.replica, pos)]))
+                pos, credits = pos + 1, credits - 1
+            return out
+        for pos in self._direct_window(r):
+            item = self.ready.get((r.replica, pos))
+            if item is not None and pos not in r.sent and pos not in r.flying:
+                out.append((pos, *item))
+        return out
