@@ -30,6 +30,18 @@ def _remotes(loader) -> list[dict]:
     return [w for w in loader.stats()["workers"] if w["remote"]]
 
 
+def _pid_once_back(actor, wait: float = 60.0) -> int:
+    """The actor's pid once Ray has restarted it (it answers 'restarting' until then)."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            return ray.get(actor.pid.remote(), timeout=wait)
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 def test_worker_actors_killed_mid_epoch_lose_nothing(tmp_path, local_ray):
     from entrain_data.workers.ray_service import start_on_ray
 
@@ -57,7 +69,7 @@ def test_worker_actors_killed_mid_epoch_lose_nothing(tmp_path, local_ray):
         for r in (0, 1):
             out[r].extend(its[r])
         assert_exactly_once(out, list(read_index(index).keys))
-        assert ray.get(svc.workers[0].pid.remote(), timeout=60) != before  # restarted by Ray
+        assert _pid_once_back(svc.workers[0]) != before  # restarted by Ray
         close_all(loaders)
         assert svc.wait(60) == "done"  # the service ends with the job
     finally:
