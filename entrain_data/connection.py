@@ -32,6 +32,7 @@ from .errors import (
     error_fields,
     error_from_fields,
 )
+from .shared_batch import map_shared
 
 __all__ = ["Connection", "tensors_of"]
 
@@ -101,6 +102,7 @@ class Connection:
         self.batches: dict[tuple[int, int, int], protocol.Message] = {}
         self.ends: set[int] = set()
         self.low = position  # batches before this are stale (re-sent after a reconnect)
+        self.shm_dir: str | None = None  # the service's shared-memory directory
         hello = {
             "rank": rank,
             "position": list(position),
@@ -117,6 +119,7 @@ class Connection:
             self.close()
             raise
         self.info = welcome.header
+        self.shm_dir = self.info.get("shm_dir")
         self.direct = bool(self.info.get("direct")) and self.data is not None
         if not self.direct:
             self._close_data_socket()
@@ -165,7 +168,17 @@ class Connection:
             if time.monotonic() >= deadline:
                 return None
         sock = self.sock if self.sock in events else self.data
-        msg = protocol.decode(sock.recv_multipart(copy=False))
+        frames = sock.recv_multipart(copy=False)
+        if len(frames) == 1 and sock is self.data:  # maybe one copy shared with peers
+            head = protocol.decode_header(frames[0])
+            if head.get("shm") is not None:
+                if self._stale(head):  # its file may be gone already: never open it
+                    return protocol.Message("batch", head)
+                frames = [
+                    frames[0],
+                    *map_shared(head["shm"], head.get("tensors", []), self.shm_dir),
+                ]
+        msg = protocol.decode(frames)
         if msg.kind == "error":  # typed as the service raised it (SampleError: source, key)
             raise error_from_fields(msg.header, prefix=f"loader service at {self.endpoint}: ")
         return msg
@@ -181,6 +194,12 @@ class Connection:
         if msg is None:
             raise self._timeout(what, timeout)
         return msg
+
+    def _stale(self, h: dict[str, Any]) -> bool:
+        try:
+            return (int(h["epoch"]), int(h["iteration"]), int(h["microbatch"])) < self.low
+        except (KeyError, TypeError, ValueError):
+            return False  # _file names the malformed header
 
     def _file(self, msg: protocol.Message) -> bool:
         """Keep a microbatch until its turn, an epoch's end marker; False for anything else."""

@@ -9,6 +9,7 @@ its microbatches without the encoder feature tensors.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -157,3 +158,40 @@ def test_each_pipeline_stage_receives_what_it_reads(tmp_path, dataset):
         close_all(loaders)
     finally:
         svc.close()
+
+
+def _tensor_parallel_plan() -> ParallelPlan:
+    plan = _two_stage_plan().to_dict()
+    seg = StageSegment("vision", 0, 0, 2, True, True)
+    llm = StageSegment("llm", None, 0, 2, True, True)
+    plan.update(tp=2, pp=1, stages=[StagePlan(0, (seg, llm)).to_dict()])
+    return ParallelPlan.from_dict(plan)
+
+
+def test_tensor_parallel_peers_share_one_copy_in_shared_memory(tmp_path, dataset):
+    source = CustomSource(
+        PixelPacker(TarTextPacker(str(dataset))), TextCosts(str(dataset)), IndexKeys(str(dataset))
+    )
+    svc = start_service(
+        plan=_tensor_parallel_plan(), source=source, workers=2, socket_dir=str(tmp_path / "sock")
+    )
+    try:
+        out, loaders = run_ranks(svc.endpoint, [0, 1])
+        shm_dir = loaders[0].info["shm_dir"]
+        assert shm_dir is not None and shm_dir.startswith("/dev/shm/")
+        a, b = out[0], out[1]
+        assert len(a) == len(b) == 8 * 3  # 48 samples, 6 per iteration, 3 microbatches
+        for x, y in zip(a, b):  # the same microbatch for both peers
+            assert x.llm_keys == y.llm_keys and x["pixel_values"].equal(y["pixel_values"])
+        stats = settled_stats(loaders[0], len(read_index(dataset).keys))
+        got = sum(t.numel() * t.element_size() for mb in a + b for t in mb.tensors.values())
+        # over ipc only what one peer was sent alone (before the other connected): the rest
+        # went to both through one shared file, headers only on the wire
+        assert stats["bytes_served"] < 0.25 * got
+        assert sum(len(mb.llm_keys) for mb in a) == len(read_index(dataset).keys)
+        close_all(loaders)
+        assert svc.wait(15) == 0
+        assert a[0]["pixel_values"].sum() >= 0  # still readable after its file was unlinked
+    finally:
+        svc.close()
+    assert not os.path.exists(shm_dir)  # the service removed its shared directory

@@ -157,6 +157,8 @@ class Coordinator:
                     why = "address already in use" if exc.errno == zmq.EADDRINUSE else exc.strerror
                     raise InvalidInput(f"cannot serve on {ep}: {why}") from None
             self.ahead = AssignAhead(self.scheduler)
+            if self.plan.tp * self.plan.pp > 1:  # some replica has peers that read one copy
+                self.production.open_shared()
             pool.start()
             self.state = State.SERVING
             log.info("serving %s with %d workers", self.cfg.endpoint, self.cfg.workers)
@@ -177,6 +179,7 @@ class Coordinator:
             self.state = State.DRAINING
             if self.ahead is not None:
                 self.ahead.close()
+            self.production.close()
             pool.stop(timeout=2.0)
             front.close(linger=500)  # the last error/end messages still leave
             back.close(linger=0)
@@ -326,6 +329,7 @@ class Coordinator:
                 "iterations": self.shape.iterations,
                 "microbatches": self.shape.microbatches,
                 "direct": self.ranks[rank].data is not None,
+                "shm_dir": self.production.shared_dir,
             },
         )
         route = "direct" if self.ranks[rank].data else "by the coordinator"
@@ -374,11 +378,7 @@ class Coordinator:
                     "encoder_rows": slot.encoder_rows.tolist(),
                     "llm_rows": slot.llm_rows.tolist(),
                     "encoder_calls": slot.encoder_calls,
-                    "deliver": [
-                        [rank, self.ranks[rank].data, self.ranks[rank].features]
-                        for rank, _ in flight.dests
-                    ],
-                    "payload": flight.payload,
+                    **prod.route(flight, self.ranks),
                 },
             )
             pool.send(worker, tid, frames)
@@ -440,7 +440,8 @@ class Coordinator:
                 return
             payload = (list(frames[2:]), len(batch.header.get("llm_keys", [])))
         reached = {int(x) for x in h.get("reached") or []}
-        flight = self.production.landed(tid, self.ranks, reached, payload)
+        files = h.get("shared_files") or []
+        flight = self.production.landed(tid, self.ranks, reached, payload, files)
         if flight is None:
             return
         self.counters.tasks_done += 1

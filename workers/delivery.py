@@ -6,7 +6,10 @@ holding an encoder) gets the whole microbatch; a stage that holds only LLM layer
 gets it without the encoder feature tensors (pixels, video pixels, audio
 features), which are nearly all of its bytes and which that stage never reads.
 The frames of each variant are encoded once and sent zero-copy to every rank
-that takes it.
+that takes it; where several ranks take the same variant (tensor-parallel peers)
+and the service has a shared-memory directory, the tensors are written once into
+a file there and each peer gets only the header naming it
+(:mod:`entrain_data.shared_batch`).
 
 One PUSH socket per destination, kept while it is in use (a bounded cache: ranks
 that reconnect get new sockets). A send that cannot be queued at once (the rank
@@ -24,6 +27,7 @@ from typing import Any
 import zmq
 
 from entrain_data import protocol
+from entrain_data.shared_batch import write_shared
 
 __all__ = ["FEATURE_TENSORS", "Deliverer"]
 
@@ -57,25 +61,42 @@ class Deliverer:
         return sock
 
     def send(
-        self, dests: list[Any], fields: dict[str, Any], tensors: dict[str, Any]
-    ) -> tuple[list[int], int]:
-        """Send the ``batch`` message to every ``[rank, endpoint, features]`` in ``dests``."""
-        variants: dict[bool, list[Any]] = {}
+        self,
+        dests: list[Any],
+        fields: dict[str, Any],
+        tensors: dict[str, Any],
+        *,
+        shared: str | None = None,
+    ) -> tuple[list[int], int, list[str]]:
+        """Send the ``batch`` message to every ``[rank, endpoint, features]`` in ``dests``.
+
+        ``shared``: a file path prefix in shared memory, used for a variant two or more
+        ranks take. Returns the ranks reached, the bytes sent over ipc and the files written.
+        """
+        groups: dict[bool, list[Any]] = {}
+        for dest in dests:
+            groups.setdefault(bool(dest[2]), []).append(dest)
         reached: list[int] = []
         sent = 0
-        for rank, endpoint, features in dests:
-            frames = variants.get(bool(features))
-            if frames is None:
-                kept = tensors if features else _without_features(tensors)
-                frames = variants[bool(features)] = protocol.encode("batch", fields, kept)
-            try:
-                self._sock(endpoint).send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-            except zmq.ZMQError as exc:  # Again (queue full) or a bad endpoint
-                log.warning("rank %s at %s not reached: %s", rank, endpoint, exc)
-                continue
-            reached.append(int(rank))
-            sent += sum(len(f) for f in frames[1:])  # uint8 views: len is bytes
-        return reached, sent
+        files: list[str] = []
+        for features, group in groups.items():
+            kept = tensors if features else _without_features(tensors)
+            frames = protocol.encode("batch", fields, kept)
+            if shared is not None and len(group) > 1:
+                path = f"{shared}-{int(features)}.mb"
+                offsets = write_shared(path, frames[1:])
+                files.append(path)
+                shm = {"path": path, "offsets": offsets}  # the header keeps the tensors' specs
+                frames = protocol.encode("batch", {**fields, "shm": shm}, kept)[:1]
+            for rank, endpoint, _ in group:
+                try:
+                    self._sock(endpoint).send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                except zmq.ZMQError as exc:  # Again (queue full) or a bad endpoint
+                    log.warning("rank %s at %s not reached: %s", rank, endpoint, exc)
+                    continue
+                reached.append(int(rank))
+                sent += sum(len(f) for f in frames[1:])  # uint8 views: len is bytes
+        return reached, sent, files
 
     def close(self) -> None:
         for sock in self.socks.values():

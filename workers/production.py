@@ -14,7 +14,10 @@ A rank is served by one of two routes, chosen at its ``hello``:
 Windows bound memory on both routes. A hop rank's window starts at the next
 position to send and reaches as far as its credits (at least ``window``); a
 direct rank's starts at the next position it will *yield* (every credit says
-which) and holds ``prefetch`` positions, so its reorder buffer never holds more.
+which) and holds ``prefetch`` positions; a task also names the replica's other
+direct ranks up to twice that far ahead (peers that read the same microbatch a
+moment later), so one build serves them all and a rank's reorder buffer holds at
+most ``2 x prefetch``.
 A position that left every window is dropped; the stream is a pure function of
 the seed, so anything dropped, lost with a worker or sent to a rank that has
 since reconnected is simply rebuilt.
@@ -22,13 +25,16 @@ since reconnected is simply rebuilt.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from entrain_data.errors import ProtocolError
+from entrain_data.shared_batch import make_shared_dir
 
 __all__ = ["RankState", "Flight", "Production", "reachable_data_endpoint"]
 
@@ -113,6 +119,26 @@ class Production:
         self.queue: deque[Key] = deque()
         self.in_flight: dict[int, Flight] = {}
         self.wanted_flight: dict[Key, int] = {}  # key -> task bringing its payload back
+        self.shared_dir: str | None = None  # shared memory for microbatches peers read together
+        self.shared: dict[str, Flight] = {}  # file -> the flight whose peers map it
+
+    def open_shared(self) -> None:
+        """Give tensor-parallel (and later-stage) peers one shared copy from now on."""
+        self.shared_dir = make_shared_dir()
+
+    def _unlink_passed(self, by_rank: dict[int, RankState]) -> None:
+        """Unlink shared files every peer has moved past (their mappings stay valid)."""
+        for path, flight in list(self.shared.items()):
+            live = [by_rank.get(rank) for rank, _ in flight.dests]
+            if all(r is None or r.next_pos > flight.key[1] for r in live):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                del self.shared[path]
+
+    def close(self) -> None:
+        if self.shared_dir is not None:
+            shutil.rmtree(self.shared_dir, ignore_errors=True)
+            self.shared_dir = None
 
     # ---------------------------------------------------------------- windows
     def _hop_window(self, r: RankState) -> range:
@@ -122,16 +148,19 @@ class Production:
     def _direct_window(self, r: RankState) -> range:
         return range(r.next_pos, min(r.next_pos + r.ahead, self.end_pos))
 
-    def _needs(self, r: RankState, pos: int) -> bool:
-        """A direct rank needs ``pos``: in its window, neither delivered nor on its way."""
+    def _needs(self, r: RankState, pos: int, stretch: int = 1) -> bool:
+        """A direct rank needs ``pos``: in its window (``stretch`` times as long), neither
+        delivered nor on its way."""
         return (
-            r.next_pos <= pos < min(r.next_pos + r.ahead, self.end_pos)
+            r.next_pos <= pos < min(r.next_pos + stretch * r.ahead, self.end_pos)
             and pos not in r.sent
             and pos not in r.flying
         )
 
     def plan(self, ranks: list[RankState]) -> None:
         """Drop what left every window; queue what some window needs and nothing brings."""
+        if self.shared:
+            self._unlink_passed({r.rank: r for r in ranks})
         hop: set[Key] = set()
         direct: set[Key] = set()
         for r in ranks:
@@ -158,7 +187,11 @@ class Production:
         """
         replica, pos = key
         direct = [r for r in ranks if r.data is not None and r.replica == replica]
-        needers = [r for r in direct if self._needs(r, pos)] if key not in self.ready else []
+        # peers (tensor-parallel ranks, later stages) a little behind the first that needs it
+        # get it in the same task, so it is built once: a rank may then hold 2 x prefetch
+        needers = [r for r in direct if self._needs(r, pos, 2)] if key not in self.ready else []
+        if not any(self._needs(r, pos) for r in needers):
+            needers = []
         hop = key not in self.ready and key not in self.wanted_flight
         hop = hop and any(
             r.data is None and r.replica == replica and pos in self._hop_window(r) for r in ranks
@@ -170,6 +203,16 @@ class Production:
                 return None  # its payload is already on the way; it serves them all
             return Flight(key, [], True)
         return Flight(key, [(r.rank, r.ident) for r in needers], hop)
+
+    def route(self, flight: Flight, by_rank: dict[int, RankState]) -> dict[str, Any]:
+        """The task's routing fields: where the worker sends it, and what it returns."""
+        return {
+            "deliver": [
+                [rank, by_rank[rank].data, by_rank[rank].features] for rank, _ in flight.dests
+            ],
+            "payload": flight.payload,
+            "shared": self.shared_dir,
+        }
 
     def launched(self, tid: int, flight: Flight, by_rank: dict[int, RankState]) -> None:
         self.in_flight[tid] = flight
@@ -207,8 +250,15 @@ class Production:
         by_rank: dict[int, RankState],
         reached: set[int],
         payload: tuple[list[Any], int] | None,
+        files: Sequence[str] = (),
     ) -> Flight | None:
-        """A task's result: the ranks it reached, and its payload if it brought one back."""
+        """A task's result: the ranks it reached, its payload if it brought one back, and the
+        shared files it wrote (unlinked once its peers passed them)."""
+        live = self.in_flight.get(tid)
+        if live is not None and self.shared_dir is not None:
+            for path in files:
+                if os.path.dirname(str(path)) == self.shared_dir:
+                    self.shared[str(path)] = live
         flight = self._settle(tid, by_rank, reached)
         if flight is not None and payload is not None:
             self.ready[flight.key] = payload

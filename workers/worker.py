@@ -199,12 +199,18 @@ def _run_task(packer: Packer, task: dict[str, Any], out: Deliverer | None) -> li
     if task.get("encoder_calls") is not None:  # group-wide calls for sharded data parallelism
         fields["meta"] = {**packed.meta, ENCODER_CALLS_KEY: task["encoder_calls"]}
     dests = task.get("deliver") or []
-    reached, sent = out.send(dests, fields, packed.tensors) if out and dests else ([], 0)
+    reached: list[int] = []
+    sent, files = 0, []
+    if out is not None and dests:
+        shared = task.get("shared")
+        prefix = f"{shared}/t{ident['task']}" if isinstance(shared, str) else None
+        reached, sent, files = out.send(dests, fields, packed.tensors, shared=prefix)
     summary = {
         **ident,
         "skipped": packed.skipped,
         "reached": reached,
         "sent_bytes": sent,
+        "shared_files": files,
         "samples": len(packed.llm_keys),
         "nbytes": int(sum(v.nbytes for v in packed.tensors.values())),
     }
