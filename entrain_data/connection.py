@@ -15,6 +15,7 @@ import logging
 import os
 import secrets
 import shutil
+import socket
 import tempfile
 import time
 import warnings
@@ -97,6 +98,7 @@ class Connection:
             self.sock.curve_secretkey = sec
         self.sock.connect(endpoint)
         self.data: zmq.Socket | None = None
+        self.tcp: zmq.Socket | None = None  # direct route from workers on other hosts
         self.data_dir: str | None = None
         offer = self._open_data_socket() if direct else None
         self.batches: dict[tuple[int, int, int], protocol.Message] = {}
@@ -123,7 +125,10 @@ class Connection:
         self.direct = bool(self.info.get("direct")) and self.data is not None
         if not self.direct:
             self._close_data_socket()
-        self._send("credit", {"n": prefetch, "next": list(position)})
+        first: dict[str, Any] = {"n": prefetch, "next": list(position)}
+        if self.direct and self.info.get("remote_host"):  # workers on other hosts reach it too
+            first["tcp"] = self._open_tcp_socket(str(self.info["remote_host"]))
+        self._send("credit", first)
 
     def _open_data_socket(self) -> dict[str, str]:
         """Bind an ipc PULL socket in a private temp dir, with a token the service checks."""
@@ -137,7 +142,26 @@ class Connection:
         self.data.bind(endpoint)
         return {"endpoint": endpoint, "token": token}
 
+    def _open_tcp_socket(self, host: str) -> dict[str, str]:
+        """A tcp PULL socket, CURVE server with a fresh key pair, for remote workers.
+
+        It binds on the host remote workers already reach (the service's remote endpoint's);
+        the endpoint and public key travel to them inside their tasks, over CURVE.
+        """
+        pub, sec = zmq.curve_keypair()
+        self.tcp = self.ctx.socket(zmq.PULL)
+        self.tcp.setsockopt(zmq.LINGER, 0)
+        self.tcp.curve_server = True
+        self.tcp.curve_publickey, self.tcp.curve_secretkey = pub, sec
+        wildcard = host in ("*", "0.0.0.0", "")
+        port = self.tcp.bind_to_random_port("tcp://*" if wildcard else f"tcp://{host}")
+        shown = socket.gethostbyname(socket.gethostname()) if wildcard else host
+        return {"endpoint": f"tcp://{shown}:{port}", "key": pub.decode("ascii")}
+
     def _close_data_socket(self) -> None:
+        if self.tcp is not None:
+            self.tcp.close(linger=0)
+            self.tcp = None
         if self.data is not None:
             self.data.close(linger=0)
             self.data = None
@@ -154,7 +178,7 @@ class Connection:
         A service ``error`` is raised, typed; so is the exit of a service this process started.
         """
         poller = zmq.Poller()
-        for s in (self.sock, self.data):
+        for s in (self.sock, self.data, self.tcp):
             if s is not None:
                 poller.register(s, zmq.POLLIN)
         deadline = time.monotonic() + wait
@@ -167,7 +191,7 @@ class Connection:
                 self._service_gone(what)
             if time.monotonic() >= deadline:
                 return None
-        sock = self.sock if self.sock in events else self.data
+        sock = next(s for s in (self.sock, self.data, self.tcp) if s is not None and s in events)
         frames = sock.recv_multipart(copy=False)
         if len(frames) == 1 and sock is self.data:  # maybe one copy shared with peers
             head = protocol.decode_header(frames[0])

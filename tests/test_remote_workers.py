@@ -1,11 +1,13 @@
 """Remote workers (issue 13 item 4, first half): ``entrain-data worker --connect`` joins a service
-over tcp with CURVE, packs its tasks, and a remote worker killed with SIGKILL mid-epoch loses
-nothing (its tasks are re-issued once it falls silent). Loopback only."""
+over tcp with CURVE, packs its tasks and sends each microbatch straight to its rank (the rank's
+own tcp socket, CURVE with the rank's key), and a remote worker killed with SIGKILL mid-epoch
+loses nothing (its tasks are re-issued once it falls silent). Loopback only."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -46,8 +48,8 @@ def test_remote_workers_join_over_curve_and_a_killed_one_loses_nothing(tmp_path)
         remote_endpoint=remote, remote_timeout=3.0, socket_dir=str(tmp_path / "entrain-sock"),
     )  # fmt: skip
     procs = [_worker(remote, index, plan, pub) for _ in range(2)]
-    loaders = [
-        EntrainLoader(svc.endpoint, r, prefetch=1, timeout=90, curve_server_key=pub) for r in (0, 1)
+    loaders = [  # prefetch 4: the first burst of tasks overflows the local worker's capacity
+        EntrainLoader(svc.endpoint, r, prefetch=4, timeout=90, curve_server_key=pub) for r in (0, 1)
     ]
     try:
         deadline = time.monotonic() + 90
@@ -61,8 +63,10 @@ def test_remote_workers_join_over_curve_and_a_killed_one_loses_nothing(tmp_path)
             out[r].extend(its[r])
         assert_exactly_once(out, list(read_index(index).keys))
         stats = loaders[0].stats()
-        remotes = [w for w in stats["workers"] if w["remote"]]
-        assert len(remotes) == 1 and remotes[0]["tasks"] > 0  # the survivor worked
+        survivor = f"x{socket.gethostname()}-{procs[1].pid}"
+        assert [w["tasks"] > 0 for w in stats["workers"] if w["remote"] == survivor] == [True]
+        # remote workers too send straight to the ranks (tcp + CURVE to each rank's socket)
+        assert stats["direct_ranks"] == [0, 1] and stats["bytes_relayed"] == 0
         close_all(loaders)
         assert svc.wait(30) == 0
         assert procs[1].wait(30) == 0  # stopped with the job

@@ -36,7 +36,7 @@ from .assign_ahead import AssignAhead
 from .config import ServiceConfig, State
 from .hello import check_hello
 from .pool import WorkerPool
-from .production import Production, RankState, reachable_data_endpoint
+from .production import Production, RankState, reachable_data_endpoint, remote_host
 from .sample_source import encoder_stats
 from .schedule import Scheduler, data_fingerprint, digest
 from .skips import SkipRecord, parse_budget
@@ -330,6 +330,7 @@ class Coordinator:
                 "microbatches": self.shape.microbatches,
                 "direct": self.ranks[rank].data is not None,
                 "shm_dir": self.production.shared_dir,
+                "remote_host": remote_host(self.cfg.remote_endpoint),
             },
         )
         route = "direct" if self.ranks[rank].data else "by the coordinator"
@@ -358,9 +359,7 @@ class Coordinator:
             if slot is None:
                 waiting.append(key)
                 continue
-            flight = prod.take(
-                list(self.ranks.values()), key, reaches_ranks=worker.process is not None
-            )
+            flight = prod.take(list(self.ranks.values()), key, remote=worker.process is None)
             if flight is None:
                 continue
             epoch, it, mb = self.shape.locate(pos)

@@ -47,12 +47,16 @@ class Deliverer:
         self.ctx = ctx
         self.socks: OrderedDict[str, zmq.Socket] = OrderedDict()
 
-    def _sock(self, endpoint: str) -> zmq.Socket:
+    def _sock(self, endpoint: str, server_key: str | None = None) -> zmq.Socket:
         sock = self.socks.pop(endpoint, None)
         if sock is None:
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 1000)
             sock.setsockopt(zmq.SNDHWM, _SNDHWM)
+            if server_key is not None:  # a rank's tcp socket: CURVE with the rank's key
+                pub, sec = zmq.curve_keypair()
+                sock.curve_serverkey = server_key.encode("ascii")
+                sock.curve_publickey, sock.curve_secretkey = pub, sec
             sock.connect(endpoint)
         self.socks[endpoint] = sock  # most recently used last
         while len(self.socks) > _MAX_SOCKETS:
@@ -68,7 +72,7 @@ class Deliverer:
         *,
         shared: str | None = None,
     ) -> tuple[list[int], int, list[str]]:
-        """Send the ``batch`` message to every ``[rank, endpoint, features]`` in ``dests``.
+        """Send the ``batch`` message to every ``[rank, endpoint, features(, curve key)]``.
 
         ``shared``: a file path prefix in shared memory, used for a variant two or more
         ranks take. Returns the ranks reached, the bytes sent over ipc and the files written.
@@ -88,9 +92,10 @@ class Deliverer:
                 files.append(path)
                 shm = {"path": path, "offsets": offsets}  # the header keeps the tensors' specs
                 frames = protocol.encode("batch", {**fields, "shm": shm}, kept)[:1]
-            for rank, endpoint, _ in group:
+            for rank, endpoint, _, *key in group:
                 try:
-                    self._sock(endpoint).send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                    sock = self._sock(endpoint, key[0] if key else None)
+                    sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
                 except zmq.ZMQError as exc:  # Again (queue full) or a bad endpoint
                     log.warning("rank %s at %s not reached: %s", rank, endpoint, exc)
                     continue

@@ -26,6 +26,7 @@ since reconnected is simply rebuilt.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 from collections import deque
@@ -36,7 +37,9 @@ from typing import Any
 from entrain_data.errors import ProtocolError
 from entrain_data.shared_batch import make_shared_dir
 
-__all__ = ["RankState", "Flight", "Production", "reachable_data_endpoint"]
+__all__ = ["RankState", "Flight", "Production", "reachable_data_endpoint", "remote_host"]
+
+log = logging.getLogger(__name__)
 
 Key = tuple[int, int]  # (replica, stream position)
 
@@ -52,9 +55,13 @@ class RankState:
     credits: int = 0  # hop: microbatches it may still be sent
     data: str | None = None  # direct: the rank's ipc data socket
     features: bool = True  # its pipeline stage reads the encoder inputs (pixels, audio)
+    remote: tuple[str, str] | None = (
+        None  # direct: its tcp socket and CURVE key, for remote workers
+    )
     ahead: int = 0  # direct: the prefetch it granted (positions past next_pos it may hold)
     sent: set[int] = field(default_factory=set)  # direct: delivered, not yet yielded
     flying: set[int] = field(default_factory=set)  # direct: in a task that names it
+    sent_remote: set[int] = field(default_factory=set)  # direct: of ``sent``, by remote workers
 
     def credit(self, h: dict[str, Any], position: Callable[..., int], end_pos: int) -> None:
         """A ``credit``: a hop rank may be sent ``n`` more; a direct rank says where it is
@@ -68,24 +75,43 @@ class RankState:
         if self.data is None:
             return
         self.ahead = max(self.ahead, n)  # the first credit is the rank's prefetch
+        tcp = h.get("tcp")
+        if isinstance(tcp, dict):
+            ep, key = tcp.get("endpoint"), tcp.get("key")
+            if not (isinstance(ep, str) and ep.startswith("tcp://") and isinstance(key, str)):
+                raise ProtocolError(f"bad tcp data socket {tcp!r} in a credit")
+            if len(key) != 40:
+                raise ProtocolError("a CURVE public key is 40 Z85 characters")
+            self.remote = (ep, key)
         try:
             if h.get("next") is not None:
                 pos = position(*(int(x) for x in h["next"]))
                 self.next_pos = max(self.next_pos, min(pos, end_pos))
             if isinstance(h.get("have"), list):
-                self.sent &= {position(*(int(x) for x in k)) for k in h["have"]}
+                held = {position(*(int(x) for x in k)) for k in h["have"]}
+                if self.remote is not None and (self.sent - held) & self.sent_remote:
+                    log.warning(
+                        "rank %d: a microbatch sent to %s by a remote worker never arrived; "
+                        "remote workers' microbatches for it now go through the coordinator",
+                        self.rank,
+                        self.remote[0],
+                    )
+                    self.remote = None  # unreachable from there (a firewall?): hop instead
+                self.sent &= held
+                self.sent_remote &= held
         except (TypeError, ValueError) as exc:
             raise ProtocolError(f"bad position in a credit: {exc}") from None
 
 
 @dataclass
 class Flight:
-    """A task on its way: its microbatch, the ranks it goes to directly, and whether the
-    coordinator wants the payload back (some hop rank, or a worker that cannot reach ranks)."""
+    """A task on its way: its microbatch, the ranks it goes to directly (over ipc, or over
+    tcp from a remote worker), and whether the coordinator wants the payload back."""
 
     key: Key
     dests: list[tuple[int, bytes]]  # (rank, identity at dispatch)
     payload: bool
+    remote: bool = False
 
 
 def reachable_data_endpoint(data: Any) -> str | None:
@@ -108,6 +134,12 @@ def reachable_data_endpoint(data: Any) -> str | None:
             return endpoint if f.read(128).strip() == token else None
     except (OSError, UnicodeDecodeError):
         return None
+
+
+def remote_host(endpoint: str | None) -> str | None:
+    """HOST of the remote workers' tcp://HOST:PORT: where they reach this node, so where its
+    direct ranks bind the tcp sockets those workers send to."""
+    return endpoint[len("tcp://") :].rsplit(":", 1)[0] if endpoint else None
 
 
 class Production:
@@ -168,6 +200,7 @@ class Production:
                 hop.update((r.replica, p) for p in self._hop_window(r))
             else:
                 r.sent = {p for p in r.sent if p >= r.next_pos}
+                r.sent_remote &= r.sent
                 direct.update((r.replica, p) for p in self._direct_window(r) if self._needs(r, p))
         for key in [k for k in self.ready if k not in hop and k not in direct]:
             del self.ready[key]
@@ -179,11 +212,11 @@ class Production:
             self.queue.append(key)
 
     # ---------------------------------------------------------------- flights
-    def take(self, ranks: list[RankState], key: Key, *, reaches_ranks: bool) -> Flight | None:
+    def take(self, ranks: list[RankState], key: Key, *, remote: bool) -> Flight | None:
         """The flight for ``key`` now, or None if nothing needs it any more.
 
-        ``reaches_ranks``: the worker runs on this host and can send to direct ranks;
-        a remote worker returns the payload, which then reaches every rank by hop.
+        ``remote``: a worker on another host; it reaches direct ranks over their tcp sockets
+        (CURVE), and where one has none it returns the payload, which then goes by hop.
         """
         replica, pos = key
         direct = [r for r in ranks if r.data is not None and r.replica == replica]
@@ -198,21 +231,23 @@ class Production:
         )
         if not needers and not hop:
             return None
-        if not reaches_ranks:
+        if remote and any(r.remote is None for r in needers):
             if key in self.wanted_flight:
                 return None  # its payload is already on the way; it serves them all
             return Flight(key, [], True)
-        return Flight(key, [(r.rank, r.ident) for r in needers], hop)
+        return Flight(key, [(r.rank, r.ident) for r in needers], hop, remote)
 
     def route(self, flight: Flight, by_rank: dict[int, RankState]) -> dict[str, Any]:
         """The task's routing fields: where the worker sends it, and what it returns."""
-        return {
-            "deliver": [
-                [rank, by_rank[rank].data, by_rank[rank].features] for rank, _ in flight.dests
-            ],
-            "payload": flight.payload,
-            "shared": self.shared_dir,
-        }
+        deliver = []
+        for rank, _ in flight.dests:
+            r = by_rank[rank]
+            if flight.remote and r.remote is not None:
+                deliver.append([rank, r.remote[0], r.features, r.remote[1]])
+            else:
+                deliver.append([rank, r.data, r.features])
+        shared = None if flight.remote else self.shared_dir  # another host's /dev/shm is not ours
+        return {"deliver": deliver, "payload": flight.payload, "shared": shared}
 
     def launched(self, tid: int, flight: Flight, by_rank: dict[int, RankState]) -> None:
         self.in_flight[tid] = flight
@@ -235,6 +270,8 @@ class Production:
             r.flying.discard(pos)
             if rank in reached:
                 r.sent.add(pos)
+                if flight.remote:
+                    r.sent_remote.add(pos)
         return flight
 
     def lost(self, tids: list[int], by_rank: dict[int, RankState]) -> None:

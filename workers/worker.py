@@ -105,9 +105,11 @@ def run_remote_worker(
             return True
         return False
 
+    deliverer = Deliverer(ctx)  # to ranks' tcp sockets (CURVE), when the task names them
     try:
-        _serve_tasks(sock, source, ident.decode(), gone, heartbeat=True)
+        _serve_tasks(sock, source, ident.decode(), gone, heartbeat=True, out=deliverer)
     finally:
+        deliverer.close()
         sock.close(linger=0)
         ctx.term()
 

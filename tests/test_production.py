@@ -1,0 +1,74 @@
+"""The coordinator's routing bookkeeping (workers/production.py), as pure logic: which ranks a
+task names, what the worker returns, and how a rank's report of what it holds repairs losses."""
+
+from __future__ import annotations
+
+import pytest
+from entrain_data.workers.production import Production, RankState
+
+from entrain_data.errors import ProtocolError
+
+
+def _pos(epoch: int, it: int, mb: int) -> int:
+    return (epoch * 4 + it) * 3 + mb  # 4 iterations of 3 microbatches
+
+
+def _direct(rank: int, replica: int = 0, next_pos: int = 0, remote: bool = False) -> RankState:
+    r = RankState(bytes([rank]), rank, replica, next_pos, data=f"ipc:///tmp/r{rank}", ahead=2)
+    if remote:
+        r.remote = (f"tcp://127.0.0.1:{5000 + rank}", "k" * 40)
+    return r
+
+
+def test_peers_a_step_apart_share_one_task_and_a_lone_rank_stays_in_its_prefetch():
+    prod = Production(window=4, end_pos=24)
+    lead, peer = _direct(0, next_pos=3), _direct(1, next_pos=2)
+    prod.plan([lead, peer])
+    assert list(prod.queue) == [(0, 2), (0, 3), (0, 4)]
+    flight = prod.take([lead, peer], (0, 4), remote=False)
+    assert flight is not None and sorted(r for r, _ in flight.dests) == [0, 1]
+    assert not flight.payload  # nobody is served by hop: the coordinator wants no bytes
+    alone = _direct(2, next_pos=0)
+    prod = Production(window=4, end_pos=24)
+    prod.plan([alone])
+    assert list(prod.queue) == [(0, 0), (0, 1)]  # prefetch 2, not the window of 4
+
+
+def test_a_remote_worker_reaches_ranks_with_a_tcp_socket_and_returns_the_rest():
+    prod = Production(window=4, end_pos=24)
+    with_tcp, without = _direct(0, remote=True), _direct(1)
+    flight = prod.take([with_tcp], (0, 0), remote=True)
+    assert flight.remote and [r for r, _ in flight.dests] == [0] and not flight.payload
+    route = prod.route(flight, {0: with_tcp})
+    assert route["deliver"] == [[0, with_tcp.remote[0], True, "k" * 40]] and route["shared"] is None
+    flight = prod.take([without], (0, 0), remote=True)
+    assert flight.dests == [] and flight.payload  # the coordinator forwards it
+
+
+def test_a_rank_report_of_what_it_holds_resends_the_lost_and_drops_an_unreachable_tcp_route():
+    r = _direct(0, remote=True)
+    prod = Production(window=4, end_pos=24)
+    by_rank = {0: r}
+    for tid, pos in enumerate((0, 1)):
+        flight = prod.take([r], (0, pos), remote=True)
+        prod.launched(tid, flight, by_rank)
+        prod.landed(tid, by_rank, {0}, None)
+    assert r.sent == {0, 1} and r.sent_remote == {0, 1}
+    r.credit({"n": 0, "next": [0, 0, 0], "have": [[0, 0, 1]]}, lambda e, i, m: _pos(e, i, m), 24)
+    assert r.sent == {1}  # position 0 never arrived: it is needed again ...
+    assert r.remote is None  # ... and remote workers' microbatches for it now go by hop
+    prod.plan([r])
+    assert (0, 0) in prod.queue
+
+
+def test_a_lost_worker_puts_its_microbatch_back_and_malformed_credits_are_refused():
+    r = _direct(0)
+    prod = Production(window=4, end_pos=24)
+    flight = prod.take([r], (0, 0), remote=False)
+    prod.launched(7, flight, {0: r})
+    assert r.flying == {0}
+    prod.lost([7], {0: r})
+    assert r.flying == set() and prod.queue[0] == (0, 0)
+    for bad in ({"n": -1}, {"n": 1, "next": ["x"]}, {"n": 1, "tcp": {"endpoint": "ipc://x"}}):
+        with pytest.raises(ProtocolError):
+            r.credit(bad, lambda e, i, m: _pos(e, i, m), 24)
