@@ -1,6 +1,12 @@
 """Loader throughput: EntrainLoader versus torch DataLoader (same workers, same decode and
 transform), and the wire transport versus a raw pyzmq send of the same buffers, in one run.
 
+``--fanout``: one node's service feeding 8 ranks with real-size images (1280 LLM tokens each),
+against raw pyzmq, the coordinator route, the previous release and torch DataLoader (see
+``_fanout.py``)::
+
+    python bench/loader_throughput.py --fanout --previous /path/to/previous/release/tree
+
 Both loaders build the very same microbatches (the service's schedule and assignment, the
 default packer: read tar members, decode JPEG/PNG/WAV, resize, patchify, log-mel, tokenise,
 pack); the DataLoader runs the packer in its own worker processes, one microbatch per item.
@@ -28,7 +34,8 @@ import torch
 import zmq
 
 from entrain_data import protocol
-from entrain_data.client import EntrainLoader, _tensors
+from entrain_data.client import EntrainLoader
+from entrain_data.connection import tensors_of as _tensors
 from entrain_data.metadata import read_index, write_index
 from entrain_data.plan import ParallelPlan, StagePlan, StageSegment
 from entrain_data.presets import ModelSpec
@@ -64,7 +71,8 @@ class MicrobatchDataset(torch.utils.data.Dataset):
             max_tokens=plan.max_tokens, defer_budget=plan.defer_budget, method=plan.method,
             seed=seed,
         )  # fmt: skip
-        self.slots = [sch.slot(0, p) for p in range(sch.shape.per_epoch)]
+        m = sch.shape.microbatches
+        self.slots = [sch.slots(0, p // m)[0][p % m] for p in range(sch.shape.per_epoch)]
         self.index, self.model = index, plan.model
         self.packer = None
 
@@ -187,8 +195,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--global-batch", type=int, default=32)
     ap.add_argument("--transport-rounds", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(RESULTS / "loader_throughput.json"))
+    ap.add_argument("--out", default=None, help="JSON (default: results/loader_*.json)")
+    ap.add_argument("--fanout", action="store_true", help="8 ranks, real-size images (see above)")
+    ap.add_argument("--fanout-images", type=int, default=2048, help="images, transport runs")
+    ap.add_argument("--decode-images", type=int, default=768, help="images, real-decode runs")
+    ap.add_argument("--fanout-batch", type=int, default=128, help="global batch (fan-out)")
+    ap.add_argument("--previous", help="a git tree of the previous release, run for comparison")
     args = ap.parse_args(argv)
+    if args.fanout:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import _fanout
+
+        args.global_batch = args.fanout_batch
+        result = _fanout.main(args)
+        result["command"] = " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])])
+        out = Path(args.out or RESULTS / "loader_fanout.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
+        return 0
+    args.out = args.out or str(RESULTS / "loader_throughput.json")
 
     from entrain_data.workers.demo_data import write_demo_dataset
     from entrain_data.workers.index_builder import build_index

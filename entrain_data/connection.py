@@ -99,6 +99,8 @@ class Connection:
         self.sock.connect(endpoint)
         self.data: zmq.Socket | None = None
         self.tcp: zmq.Socket | None = None  # direct route from workers on other hosts
+        self._poller: zmq.Poller | None = None
+        self._polled: tuple[Any, ...] = ()
         self.data_dir: str | None = None
         offer = self._open_data_socket() if direct else None
         self.batches: dict[tuple[int, int, int], protocol.Message] = {}
@@ -177,10 +179,13 @@ class Connection:
 
         A service ``error`` is raised, typed; so is the exit of a service this process started.
         """
-        poller = zmq.Poller()
-        for s in (self.sock, self.data, self.tcp):
-            if s is not None:
-                poller.register(s, zmq.POLLIN)
+        socks = (self.sock, self.data, self.tcp)
+        if self._poller is None or self._polled != socks:  # built once per set of sockets
+            self._poller, self._polled = zmq.Poller(), socks
+            for s in socks:
+                if s is not None:
+                    self._poller.register(s, zmq.POLLIN)
+        poller = self._poller
         deadline = time.monotonic() + wait
         while True:
             left = deadline - time.monotonic()
