@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from . import compiled
 from .errors import InvalidInput
 
 if TYPE_CHECKING:  # imported for type hints only: no cycle at run time
@@ -157,6 +158,10 @@ def simulate_pipeline(fwd: np.ndarray, bwd: np.ndarray, schedule: str = "1f1b") 
     fwd, bwd = _check(fwd, bwd)
     r_count, m, s_count = fwd.shape
     topo = _topological(schedule, m, s_count)
+    if r_count > 1 and compiled.enabled():  # the same recurrence compiled, replica by replica
+        from .assignment.search_kernel import recurrence  # numba is imported with it
+
+        return _result(fwd, bwd, recurrence(fwd, bwd, np.asarray(topo, dtype=np.int64)))
     if r_count == 1:
         ft, bt = fwd[0].T.tolist(), bwd[0].T.tolist()  # [S][M]
         zero = 0.0
@@ -179,11 +184,14 @@ def simulate_pipeline(fwd: np.ndarray, bwd: np.ndarray, schedule: str = "1f1b") 
             end = b_end[s][j] = maximum(free[s], dep) + bt[s][j]
         free[s] = end
     free = np.asarray(free, dtype=np.float64).reshape(s_count, r_count)
-    replica_times = free.max(axis=0)
+    return _result(fwd, bwd, free.max(axis=0))
+
+
+def _result(fwd: np.ndarray, bwd: np.ndarray, replica_times: np.ndarray) -> PipelineResult:
     busy = (fwd + bwd).sum(axis=1)  # [R, S]
     worst = int(np.argmax(replica_times))
     t = float(replica_times[worst])
-    bubble = 1.0 - float(busy[worst].sum()) / (s_count * t) if t > 0 else 0.0
+    bubble = 1.0 - float(busy[worst].sum()) / (fwd.shape[2] * t) if t > 0 else 0.0
     return PipelineResult(t, replica_times, busy, bubble)
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import compiled
+
 __all__ = ["lpt_bins", "refine_bins", "vector_bins", "order_by_llm", "order_mountain"]
 
 _ITEMWISE_LPT = 512  # rows up to this many items are placed one item at a time
@@ -131,6 +133,10 @@ def vector_bins(w: np.ndarray, valid: np.ndarray, m: int) -> np.ndarray:
     loads = np.zeros((r_count, m, d))
     rows = np.arange(r_count)
     counts = np.zeros((r_count, m))
+    if n <= _ITEMWISE_LPT and compiled.enabled():
+        from . import sets_kernel  # numba is imported with it
+
+        return sets_kernel.vector_lpt(np.ascontiguousarray(wn), order, valid, m)
     if n <= _ITEMWISE_LPT:
         for t in range(n):
             item = order[:, t]
@@ -138,7 +144,8 @@ def vector_bins(w: np.ndarray, valid: np.ndarray, m: int) -> np.ndarray:
             if not ok.any():
                 break
             after = (loads + wn[rows, item][:, None, :]).max(axis=2)  # [R, m]
-            j = np.argmin(after + 1e-9 * loads.sum(axis=2) + 1e-12 * counts, axis=1)
+            total = np.cumsum(loads, axis=2)[..., -1]  # sequential, as the compiled twin's
+            j = np.argmin(after + 1e-9 * total + 1e-12 * counts, axis=1)
             rr = rows[ok]
             bins[rr, item[ok]] = j[ok]
             loads[rr, j[ok]] += wn[rr, item[ok]]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import compiled
 from ..errors import InvalidInput
 from .common import Candidate, Replicas, slot_sums
 
@@ -24,14 +25,23 @@ def llm_sets_fill(rp: Replicas, eidx: np.ndarray, tol: float) -> Candidate:
     m, cap, budget = rp.m, rp.cap, rp.budget
     r_count, n = llm.shape
     rows = np.arange(r_count)
+    big = np.iinfo(np.int64).max // 4
+    cap_v = big if cap is None else cap
+    if compiled.enabled() and n > 0:
+        from . import sets_kernel  # numba is imported with it
+
+        lidx, failed = sets_kernel.fill_sets(
+            eidx, has_enc, valid, llm, tok.astype(np.int64), m, tol, cap_v,
+            budget is not None, 0 if budget is None else budget,
+        )  # fmt: skip
+        return Candidate(eidx, lidx, failed)
     lidx = np.full((r_count, n), -1, dtype=np.int64)
     consumed = ~valid
     failed = np.zeros(r_count, bool)
-    big = np.iinfo(np.int64).max // 4
-    cap_v = big if cap is None else cap
     for j in range(m):
         avail = ~consumed & ((eidx <= j) | ~has_enc)
-        remaining = np.where(consumed, 0.0, llm).sum(axis=1)
+        # a sequential sum (cumsum), as the compiled twin's: pairwise sums round otherwise
+        remaining = np.cumsum(np.where(consumed, 0.0, llm), axis=1)[:, -1]
         if j == m - 1:
             take = avail.copy()
             ntok = np.where(take, tok, 0).sum(axis=1)
@@ -80,6 +90,13 @@ def llm_sets_lpt(rp: Replicas, eidx: np.ndarray) -> Candidate:
     bud_v = big if budget is None else budget
     release = np.where(has_enc, eidx, 0)
     order = np.argsort(-np.where(valid, llm, -np.inf), axis=1, kind="stable")
+    if compiled.enabled():
+        from . import sets_kernel  # numba is imported with it
+
+        lidx, failed = sets_kernel.lpt_sets(
+            eidx, has_enc, valid, llm, tok.astype(np.int64), order, m, cap_v, bud_v
+        )
+        return Candidate(eidx, lidx, failed)
     lidx = np.full((r_count, n), -1, dtype=np.int64)
     loads = np.zeros((r_count, m))
     toks = np.zeros((r_count, m), dtype=np.int64)
@@ -124,13 +141,15 @@ def _fill(avail, cost, tok, limit, cap, fills: int = 3):
     a_s = np.take_along_axis(avail, order, 1)
     c_s = np.take_along_axis(np.where(avail, cost, 0.0), order, 1)
     t_s = np.take_along_axis(np.where(avail, tok, 0), order, 1)
-    ok = a_s & (np.cumsum(c_s, 1) <= limit[:, None]) & (np.cumsum(t_s, 1) <= cap)
+    cum_c = np.cumsum(c_s, 1)
+    ok = a_s & (cum_c <= limit[:, None]) & (np.cumsum(t_s, 1) <= cap)
     length = np.where(ok.all(axis=1), n, np.argmin(ok, axis=1))
     length = np.where(a_s[:, 0] & (length == 0), 1, length)
     take_s = np.arange(n)[None, :] < length[:, None]
     take = np.zeros_like(avail)
     np.put_along_axis(take, order, take_s, axis=1)
-    load = (c_s * take_s).sum(axis=1)
+    last = np.maximum(length - 1, 0)[:, None]  # the prefix's sum, sequential (see above)
+    load = np.where(length > 0, np.take_along_axis(cum_c, last, 1)[:, 0], 0.0)
     ntok = (t_s * take_s).sum(axis=1)
     for _ in range(fills):
         cand = avail & ~take & (cost <= (limit - load)[:, None]) & (tok <= (cap - ntok)[:, None])

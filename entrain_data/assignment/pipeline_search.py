@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..simulator import simulate_pipeline
+from .. import compiled
+from ..simulator import _topological, simulate_pipeline
 from .common import Replicas, slot_sums
 
 __all__ = ["proxy_stage_shares", "proxy_times", "refine_by_pipeline", "refine_slowest"]
@@ -188,8 +189,6 @@ def refine_by_pipeline(
     cap_v = big if cap is None else cap
     bud_v = big if budget is None else budget
     rows = np.arange(r_count)
-    jj = np.arange(m)
-
     t_load = np.rint(slot_sums(lidx, tok.astype(np.float64), valid, m)).astype(np.int64)
     l_count = np.rint(slot_sums(lidx, np.ones((r_count, n)), valid, m)).astype(np.int64)
     pcap = rp.patch_cap
@@ -202,7 +201,6 @@ def refine_by_pipeline(
     n_valid = valid.sum(axis=1)
     # the cost of a round grows with replicas x candidates: cap their product
     k_count = max(2, min(candidates, _CANDIDATE_BUDGET // r_count))
-    rk = np.broadcast_to(rows[:, None], (r_count, k_count))
     order = np.argsort(~valid, axis=1, kind="stable")  # valid members first
     # per-microbatch module loads (each encoder column from E, the LLM from L) and the
     # sum of squares each may reach: CV <= (1 + _CV_SLACK) * its start + _CV_FLOOR
@@ -220,6 +218,13 @@ def refine_by_pipeline(
     slack[-1] = _LLM_CV_SLACK
     cv_lim = cv0 * (1 + slack) + _CV_FLOOR
     ss_lim = m * mean**2 * (1 + cv_lim**2) * (1 + 1e-12)
+    step = _round_numpy
+    if compiled.enabled():
+        from .search_kernel import search_round as step  # numba is imported with it
+    topo = np.asarray(_topological("1f1b", m, fwd.shape[2]), dtype=np.int64)
+    p_cap = np.zeros(p_samp.shape[2], np.int64) if pcap is None else np.asarray(pcap, np.int64)
+    state = (fwd, bwd, mod, t_load, l_count, p_load, waiting, cur)
+    per_sample = (eidx, lidx, has_enc, tok.astype(np.int64), wait_tok, p_samp, ef, lf, lb)
     idle = 0
     for _ in range(rounds):
         if idle >= _PATIENCE:  # no replica found a better move for this many rounds
@@ -232,118 +237,140 @@ def refine_by_pipeline(
         b = order[rows[:, None], b]
         kind = rng.integers(0, 3, (r_count, k_count))  # 0: move L, 1: move E, 2: swap
         u = rng.random((r_count, k_count))
-        ea, la = eidx[rk, a], lidx[rk, a]
-        eb_, lb_ = eidx[rk, b], lidx[rk, b]
-        enc_a = has_enc[rk, a]
-        # new slots of a
-        new_l = np.where(enc_a, ea + (u * (m - ea)).astype(np.int64), (u * m).astype(np.int64))
-        new_e_move = np.where(enc_a, (u * (la + 1)).astype(np.int64), new_l)
-        na_e = np.select([kind == 0, kind == 1], [np.where(enc_a, ea, new_l), new_e_move], eb_)
-        na_l = np.select([kind == 0, kind == 1], [new_l, np.where(enc_a, la, new_e_move)], lb_)
-        swap = kind == 2
-        nb_e = np.where(swap, ea, eb_)
-        nb_l = np.where(swap, la, lb_)
-        # samples without encoder work are never buffered: their E is their L
-        na_e = np.where(enc_a, na_e, na_l)
-        nb_e = np.where(has_enc[rk, b], nb_e, nb_l)
-        moved_b = swap & (a != b)
-        changed = (na_e != ea) | (na_l != la)
-        # token cap on the L sets
-        ta, tb = tok[rk, a], tok[rk, b]
-        t_new = np.broadcast_to(t_load[:, None, :], (r_count, k_count, m)).copy()
-        rk3 = rk.ravel()
-        kk = np.broadcast_to(np.arange(k_count)[None, :], (r_count, k_count)).ravel()
-        for idx_l, sign, w, on in (
-            (la, -1, ta, changed),
-            (na_l, 1, ta, changed),
-            (lb_, -1, tb, moved_b),
-            (nb_l, 1, tb, moved_b),
-        ):
-            t_new[rk3, kk, idx_l.ravel()] += (sign * w * on).ravel()  # one slot per (r, k)
-        ok = changed & (t_new <= cap_v).all(axis=2)
-        # no L set may become empty: a microbatch without LLM work has nothing to train
-        c_new = np.broadcast_to(l_count[:, None, :], (r_count, k_count, m)).copy()
-        for idx_l, sign, on in (
-            (la, -1, changed),
-            (na_l, 1, changed),
-            (lb_, -1, moved_b),
-            (nb_l, 1, moved_b),
-        ):
-            c_new[rk3, kk, idx_l.ravel()] += (sign * on).ravel().astype(np.int64)
-        ok &= (c_new >= np.minimum(l_count, 1)[:, None, :]).all(axis=2)
-        # patch cap on the E sets
-        if pcap is not None:
-            p_new = np.broadcast_to(p_load[:, None], (r_count, k_count) + p_load.shape[1:]).copy()
-            for idx_e, s_idx, sign, on in (
-                (ea, a, -1, ok),
-                (na_e, a, 1, ok),
-                (eb_, b, -1, ok & moved_b),
-                (nb_e, b, 1, ok & moved_b),
-            ):
-                pv = p_samp[rk, s_idx] * (sign * on)[..., None]
-                p_new[rk3, kk, idx_e.ravel()] += pv.reshape(-1, pv.shape[-1])
-            ok &= (p_new <= pcap).all(axis=(2, 3))
-        # deferral budget on the buffer after every boundary
-        if budget is not None:
-            wa, wb = wait_tok[rk, a], wait_tok[rk, b]
-            w_new = (
-                waiting[:, None, :]
-                - (_span(ea, la, jj) * (wa * changed)[..., None])
-                + (_span(na_e, na_l, jj) * (wa * changed)[..., None])
-                - (_span(eb_, lb_, jj) * (wb * moved_b)[..., None])
-                + (_span(nb_e, nb_l, jj) * (wb * moved_b)[..., None])
-            )
-            ok &= (w_new <= bud_v).all(axis=2)
-        # the sets stay balanced: no module's per-microbatch CV may grow past its limit
-        cm = np.broadcast_to(mod[:, None], (r_count, k_count, m, mod.shape[2])).copy()
-        for s_idx, old_e, old_l, new_e, new_l2, on in (
-            (a, ea, la, na_e, na_l, ok),
-            (b, eb_, lb_, nb_e, nb_l, ok & moved_b),
-        ):
-            w = on[..., None].astype(np.float64)
-            e_c = np.concatenate([mod_e[rk, s_idx], np.zeros((r_count, k_count, 1))], 2) * w
-            l_c = np.concatenate([np.zeros_like(mod_e[rk, s_idx]), llm[rk, s_idx][..., None]], 2)
-            l_c = l_c * w
-            for idx_, val in ((old_e, -e_c), (new_e, e_c), (old_l, -l_c), (new_l2, l_c)):
-                cm[rk3, kk, idx_.ravel()] += val.reshape(-1, val.shape[-1])
-        ss = (cm * cm).sum(axis=2)  # [R, K, modules]
-        ok &= (ss <= ss_lim[:, None, :]).all(axis=2)
-        if not ok.any():
-            continue
-        # candidate stage times: the current ones plus the moved samples' deltas
-        cf = np.broadcast_to(fwd[:, None], (r_count, k_count, m, fwd.shape[2])).copy()
-        cb = np.broadcast_to(bwd[:, None], cf.shape).copy()
-        for s_idx, old_e, old_l, new_e, new_l2, on in (
-            (a, ea, la, na_e, na_l, ok),
-            (b, eb_, lb_, nb_e, nb_l, ok & moved_b),
-        ):
-            w = on[..., None].astype(np.float64)
-            e_c, f_c, b_c = ef[rk, s_idx] * w, lf[rk, s_idx] * w, lb[rk, s_idx] * w
-            for idx_, val, arr in (
-                (old_e, -e_c, cf),
-                (new_e, e_c, cf),
-                (old_l, -f_c, cf),
-                (new_l2, f_c, cf),
-                (old_l, -b_c, cb),
-                (new_l2, b_c, cb),
-            ):
-                arr[rk3, kk, idx_.ravel()] += val.reshape(-1, val.shape[-1])
-        t = np.where(ok, _replica_times(cf, cb), np.inf)
-        best = np.argmin(t, axis=1)
-        gain = t[rows, best] < cur * (1 - 1e-9)
-        if not gain.any():
-            continue
-        idle = 0
-        g = rows[gain]
-        bk = best[gain]
-        _apply(eidx, lidx, g, bk, a, b, moved_b, na_e, na_l, nb_e, nb_l)
-        fwd[g], bwd[g] = cf[g, bk], cb[g, bk]
-        mod[g] = cm[g, bk]
-        t_load[g] = t_new[g, bk]
-        l_count[g] = c_new[g, bk]
-        if pcap is not None:
-            p_load[g] = p_new[g, bk]
-        if budget is not None:
-            waiting[g] = w_new[g, bk]
-        cur[g] = t[g, bk]
+        moved = step(
+            a, b, kind, u, *per_sample, mod_e, llm, *state,
+            ss_lim, cap_v, bud_v, p_cap, pcap is not None, budget is not None, topo,
+        )  # fmt: skip
+        if moved:
+            idle = 0
     return eidx, lidx
+
+
+def _round_numpy(
+    a, b, kind, u,  # [R, K] drawn by the caller: samples, move kinds, positions
+    eidx, lidx, has_enc, tok, wait_tok, p_samp, ef, lf, lb, mod_e, llm,  # per sample
+    fwd, bwd, mod, t_load, l_count, p_load, waiting, cur,  # per replica state, updated
+    ss_lim, cap_v, bud_v, pcap, use_pcap, use_budget, topo,
+) -> bool:  # fmt: skip
+    """One search round over every replica and candidate at once (numpy); the state is
+    updated in place where a replica's best move shortens its proxy time. The compiled
+    :func:`.search_kernel.search_round` computes exactly this. True if any replica moved."""
+    r_count, k_count = a.shape
+    m = fwd.shape[1]
+    rows = np.arange(r_count)
+    rk = np.broadcast_to(rows[:, None], (r_count, k_count))
+    jj = np.arange(m)
+    ea, la = eidx[rk, a], lidx[rk, a]
+    eb_, lb_ = eidx[rk, b], lidx[rk, b]
+    enc_a = has_enc[rk, a]
+    # new slots of a
+    new_l = np.where(enc_a, ea + (u * (m - ea)).astype(np.int64), (u * m).astype(np.int64))
+    new_e_move = np.where(enc_a, (u * (la + 1)).astype(np.int64), new_l)
+    na_e = np.select([kind == 0, kind == 1], [np.where(enc_a, ea, new_l), new_e_move], eb_)
+    na_l = np.select([kind == 0, kind == 1], [new_l, np.where(enc_a, la, new_e_move)], lb_)
+    swap = kind == 2
+    nb_e = np.where(swap, ea, eb_)
+    nb_l = np.where(swap, la, lb_)
+    # samples without encoder work are never buffered: their E is their L
+    na_e = np.where(enc_a, na_e, na_l)
+    nb_e = np.where(has_enc[rk, b], nb_e, nb_l)
+    moved_b = swap & (a != b)
+    changed = (na_e != ea) | (na_l != la)
+    # token cap on the L sets
+    ta, tb = tok[rk, a], tok[rk, b]
+    t_new = np.broadcast_to(t_load[:, None, :], (r_count, k_count, m)).copy()
+    rk3 = rk.ravel()
+    kk = np.broadcast_to(np.arange(k_count)[None, :], (r_count, k_count)).ravel()
+    for idx_l, sign, w, on in (
+        (la, -1, ta, changed),
+        (na_l, 1, ta, changed),
+        (lb_, -1, tb, moved_b),
+        (nb_l, 1, tb, moved_b),
+    ):
+        t_new[rk3, kk, idx_l.ravel()] += (sign * w * on).ravel()  # one slot per (r, k)
+    ok = changed & (t_new <= cap_v).all(axis=2)
+    # no L set may become empty: a microbatch without LLM work has nothing to train
+    c_new = np.broadcast_to(l_count[:, None, :], (r_count, k_count, m)).copy()
+    for idx_l, sign, on in (
+        (la, -1, changed),
+        (na_l, 1, changed),
+        (lb_, -1, moved_b),
+        (nb_l, 1, moved_b),
+    ):
+        c_new[rk3, kk, idx_l.ravel()] += (sign * on).ravel().astype(np.int64)
+    ok &= (c_new >= np.minimum(l_count, 1)[:, None, :]).all(axis=2)
+    # patch cap on the E sets
+    if use_pcap:
+        p_new = np.broadcast_to(p_load[:, None], (r_count, k_count) + p_load.shape[1:]).copy()
+        for idx_e, s_idx, sign, on in (
+            (ea, a, -1, ok),
+            (na_e, a, 1, ok),
+            (eb_, b, -1, ok & moved_b),
+            (nb_e, b, 1, ok & moved_b),
+        ):
+            pv = p_samp[rk, s_idx] * (sign * on)[..., None]
+            p_new[rk3, kk, idx_e.ravel()] += pv.reshape(-1, pv.shape[-1])
+        ok &= (p_new <= pcap).all(axis=(2, 3))
+    # deferral budget on the buffer after every boundary
+    if use_budget:
+        wa, wb = wait_tok[rk, a], wait_tok[rk, b]
+        w_new = (
+            waiting[:, None, :]
+            - (_span(ea, la, jj) * (wa * changed)[..., None])
+            + (_span(na_e, na_l, jj) * (wa * changed)[..., None])
+            - (_span(eb_, lb_, jj) * (wb * moved_b)[..., None])
+            + (_span(nb_e, nb_l, jj) * (wb * moved_b)[..., None])
+        )
+        ok &= (w_new <= bud_v).all(axis=2)
+    # the sets stay balanced: no module's per-microbatch CV may grow past its limit
+    cm = np.broadcast_to(mod[:, None], (r_count, k_count, m, mod.shape[2])).copy()
+    for s_idx, old_e, old_l, new_e, new_l2, on in (
+        (a, ea, la, na_e, na_l, ok),
+        (b, eb_, lb_, nb_e, nb_l, ok & moved_b),
+    ):
+        w = on[..., None].astype(np.float64)
+        e_c = np.concatenate([mod_e[rk, s_idx], np.zeros((r_count, k_count, 1))], 2) * w
+        l_c = np.concatenate([np.zeros_like(mod_e[rk, s_idx]), llm[rk, s_idx][..., None]], 2)
+        l_c = l_c * w
+        for idx_, val in ((old_e, -e_c), (new_e, e_c), (old_l, -l_c), (new_l2, l_c)):
+            cm[rk3, kk, idx_.ravel()] += val.reshape(-1, val.shape[-1])
+    ss = (cm * cm).sum(axis=2)  # [R, K, modules]
+    ok &= (ss <= ss_lim[:, None, :]).all(axis=2)
+    if not ok.any():
+        return False
+    # candidate stage times: the current ones plus the moved samples' deltas
+    cf = np.broadcast_to(fwd[:, None], (r_count, k_count, m, fwd.shape[2])).copy()
+    cb = np.broadcast_to(bwd[:, None], cf.shape).copy()
+    for s_idx, old_e, old_l, new_e, new_l2, on in (
+        (a, ea, la, na_e, na_l, ok),
+        (b, eb_, lb_, nb_e, nb_l, ok & moved_b),
+    ):
+        w = on[..., None].astype(np.float64)
+        e_c, f_c, b_c = ef[rk, s_idx] * w, lf[rk, s_idx] * w, lb[rk, s_idx] * w
+        for idx_, val, arr in (
+            (old_e, -e_c, cf),
+            (new_e, e_c, cf),
+            (old_l, -f_c, cf),
+            (new_l2, f_c, cf),
+            (old_l, -b_c, cb),
+            (new_l2, b_c, cb),
+        ):
+            arr[rk3, kk, idx_.ravel()] += val.reshape(-1, val.shape[-1])
+    t = np.where(ok, _replica_times(cf, cb), np.inf)
+    best = np.argmin(t, axis=1)
+    gain = t[rows, best] < cur * (1 - 1e-9)
+    if not gain.any():
+        return False
+    g = rows[gain]
+    bk = best[gain]
+    _apply(eidx, lidx, g, bk, a, b, moved_b, na_e, na_l, nb_e, nb_l)
+    fwd[g], bwd[g] = cf[g, bk], cb[g, bk]
+    mod[g] = cm[g, bk]
+    t_load[g] = t_new[g, bk]
+    l_count[g] = c_new[g, bk]
+    if use_pcap:
+        p_load[g] = p_new[g, bk]
+    if use_budget:
+        waiting[g] = w_new[g, bk]
+    cur[g] = t[g, bk]
+    return True

@@ -1,0 +1,258 @@
+"""Compiled rounds of the pipeline search and the 1F1B recurrence (numba, when installed).
+
+The numpy search (:func:`.pipeline_search.refine_by_pipeline`) evaluates a round's
+candidate moves as ~100 array operations over a few hundred elements each: numpy's
+per-call cost, not arithmetic, is its time. Here the same round runs as one loop,
+replica by replica, candidate by candidate. Results are identical to the numpy path,
+not merely close: the random draws stay in the caller, every incremental update is
+applied in the numpy path's order (so each float sum rounds the same way), and the
+simulation performs the same max/+ sequence. ``tests/test_compiled.py`` compares
+the two paths bit for bit.
+
+Imported only where :func:`entrain_data.compiled.enabled` (numba installed, not switched off); the
+callers take their numpy path otherwise.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..compiled import jit
+
+__all__ = ["recurrence", "search_round"]
+
+
+@jit
+def _simulate_one(cf, cb, topo, f_end, b_end, free):
+    """One replica's 1F1B iteration time for [M, S] forward and backward times.
+
+    The recurrence of :func:`entrain_data.simulator.simulate_pipeline`, with its inputs
+    clipped at 0 as the search's caller does (incremental updates leave rounding residue).
+    """
+    s_count = cf.shape[1]
+    last = s_count - 1
+    for s in range(s_count):
+        free[s] = 0.0
+    for i in range(topo.shape[0]):
+        s, kind, j = topo[i, 0], topo[i, 1], topo[i, 2]
+        if kind == 0:
+            start = free[s]
+            if s > 0:
+                start = max(start, f_end[s - 1, j])
+            end = start + max(cf[j, s], 0.0)
+            f_end[s, j] = end
+        else:
+            dep = b_end[s + 1, j] if s < last else f_end[s, j]
+            end = max(free[s], dep) + max(cb[j, s], 0.0)
+            b_end[s, j] = end
+        free[s] = end
+    t = free[0]
+    for s in range(1, s_count):
+        t = max(t, free[s])
+    return t
+
+
+@jit
+def recurrence(fwd, bwd, topo):
+    """[R] iteration times of [R, M, S] forward and backward times (inputs >= 0)."""
+    r_count, m, s_count = fwd.shape
+    out = np.empty(r_count)
+    f_end = np.zeros((s_count, m))
+    b_end = np.zeros((s_count, m))
+    free = np.zeros(s_count)
+    for r in range(r_count):
+        out[r] = _simulate_one(fwd[r], bwd[r], topo, f_end, b_end, free)
+    return out
+
+
+@jit
+def search_round(
+    a, b, kind, u,  # [R, K] drawn by the caller: samples, move kinds, positions
+    eidx, lidx, has_enc, tok, wait_tok, p_samp, ef, lf, lb, mod_e, llm,  # per sample
+    fwd, bwd, mod, t_load, l_count, p_load, waiting, cur,  # per replica state, updated
+    ss_lim, cap_v, bud_v, pcap, use_pcap, use_budget, topo,
+):  # fmt: skip
+    """One round of :func:`.pipeline_search.refine_by_pipeline` for every replica: the same
+    candidates, checks and acceptance, state updated in place. True if any replica moved."""
+    r_count, k_count = a.shape
+    m, s_count = fwd.shape[1], fwd.shape[2]
+    e_count = mod_e.shape[2]
+    km = mod.shape[2]
+    pe = p_samp.shape[2]
+    t_new = np.empty(m, np.int64)
+    c_new = np.empty(m, np.int64)
+    p_new = np.empty((m, pe), np.int64)
+    w_new = np.empty(m, np.int64)
+    cm = np.empty((m, km))
+    cf = np.empty((m, s_count))
+    cb = np.empty((m, s_count))
+    best_t_new = np.empty(m, np.int64)
+    best_c_new = np.empty(m, np.int64)
+    best_p_new = np.empty((m, pe), np.int64)
+    best_w_new = np.empty(m, np.int64)
+    best_cm = np.empty((m, km))
+    best_cf = np.empty((m, s_count))
+    best_cb = np.empty((m, s_count))
+    f_end = np.zeros((s_count, m))
+    b_end = np.zeros((s_count, m))
+    free = np.zeros(s_count)
+    ss = np.empty(km)
+    moved = False
+    for r in range(r_count):
+        best_t = np.inf
+        best_k = -1
+        b_na_e = b_na_l = b_nb_e = b_nb_l = 0
+        b_moved_b = False
+        for k in range(k_count):
+            ai, bi, kd, uu = a[r, k], b[r, k], kind[r, k], u[r, k]
+            ea, la, eb, lbb = eidx[r, ai], lidx[r, ai], eidx[r, bi], lidx[r, bi]
+            enc_a = has_enc[r, ai]
+            if enc_a:
+                new_l = ea + np.int64(uu * (m - ea))
+                new_e_move = np.int64(uu * (la + 1))
+            else:
+                new_l = np.int64(uu * m)
+                new_e_move = new_l
+            if kd == 0:
+                na_e, na_l = (ea if enc_a else new_l), new_l
+            elif kd == 1:
+                na_e, na_l = new_e_move, (la if enc_a else new_e_move)
+            else:
+                na_e, na_l = eb, lbb
+            swap = kd == 2
+            nb_e, nb_l = (ea, la) if swap else (eb, lbb)
+            if not enc_a:
+                na_e = na_l
+            if not has_enc[r, bi]:
+                nb_e = nb_l
+            moved_b = swap and ai != bi
+            if na_e == ea and na_l == la:
+                continue  # not a move
+            # token cap and no empty L set
+            for j in range(m):
+                t_new[j] = t_load[r, j]
+                c_new[j] = l_count[r, j]
+            t_new[la] -= tok[r, ai]
+            t_new[na_l] += tok[r, ai]
+            c_new[la] -= 1
+            c_new[na_l] += 1
+            if moved_b:
+                t_new[lbb] -= tok[r, bi]
+                t_new[nb_l] += tok[r, bi]
+                c_new[lbb] -= 1
+                c_new[nb_l] += 1
+            ok = True
+            for j in range(m):
+                if t_new[j] > cap_v or c_new[j] < min(l_count[r, j], 1):
+                    ok = False
+            if not ok:
+                continue
+            # patch cap on the E sets
+            for j in range(m):
+                for q in range(pe):
+                    p_new[j, q] = p_load[r, j, q]
+            for q in range(pe):
+                p_new[ea, q] -= p_samp[r, ai, q]
+                p_new[na_e, q] += p_samp[r, ai, q]
+                if moved_b:
+                    p_new[eb, q] -= p_samp[r, bi, q]
+                    p_new[nb_e, q] += p_samp[r, bi, q]
+            if use_pcap:
+                for j in range(m):
+                    for q in range(pe):
+                        if p_new[j, q] > pcap[q]:
+                            ok = False
+                if not ok:
+                    continue
+            # deferral budget after every boundary
+            wa, wb = wait_tok[r, ai], wait_tok[r, bi]
+            for j in range(m):
+                w = waiting[r, j]
+                if ea <= j < la:
+                    w -= wa
+                if na_e <= j < na_l:
+                    w += wa
+                if moved_b:
+                    if eb <= j < lbb:
+                        w -= wb
+                    if nb_e <= j < nb_l:
+                        w += wb
+                w_new[j] = w
+                if use_budget and w > bud_v:
+                    ok = False
+            if not ok:
+                continue
+            # per-module CV limits: the numpy path's update order, cell by cell
+            for j in range(m):
+                for c in range(km):
+                    cm[j, c] = mod[r, j, c]
+            for c in range(e_count):
+                cm[ea, c] += -mod_e[r, ai, c]
+                cm[na_e, c] += mod_e[r, ai, c]
+            cm[la, e_count] += -llm[r, ai]
+            cm[na_l, e_count] += llm[r, ai]
+            if moved_b:
+                for c in range(e_count):
+                    cm[eb, c] += -mod_e[r, bi, c]
+                    cm[nb_e, c] += mod_e[r, bi, c]
+                cm[lbb, e_count] += -llm[r, bi]
+                cm[nb_l, e_count] += llm[r, bi]
+            for c in range(km):
+                ss[c] = cm[0, c] * cm[0, c]
+            for j in range(1, m):
+                for c in range(km):
+                    ss[c] += cm[j, c] * cm[j, c]
+            for c in range(km):
+                if ss[c] > ss_lim[r, c]:
+                    ok = False
+            if not ok:
+                continue
+            # stage times with the moved samples' deltas, then the simulated iteration
+            for j in range(m):
+                for s in range(s_count):
+                    cf[j, s] = fwd[r, j, s]
+                    cb[j, s] = bwd[r, j, s]
+            for s in range(s_count):
+                cf[ea, s] += -ef[r, ai, s]
+                cf[na_e, s] += ef[r, ai, s]
+                cf[la, s] += -lf[r, ai, s]
+                cf[na_l, s] += lf[r, ai, s]
+                cb[la, s] += -lb[r, ai, s]
+                cb[na_l, s] += lb[r, ai, s]
+            if moved_b:
+                for s in range(s_count):
+                    cf[eb, s] += -ef[r, bi, s]
+                    cf[nb_e, s] += ef[r, bi, s]
+                    cf[lbb, s] += -lf[r, bi, s]
+                    cf[nb_l, s] += lf[r, bi, s]
+                    cb[lbb, s] += -lb[r, bi, s]
+                    cb[nb_l, s] += lb[r, bi, s]
+            t = _simulate_one(cf, cb, topo, f_end, b_end, free)
+            if t < best_t:  # the first of equal times, as argmin
+                best_t, best_k = t, k
+                b_na_e, b_na_l, b_nb_e, b_nb_l, b_moved_b = na_e, na_l, nb_e, nb_l, moved_b
+                best_t_new[:] = t_new
+                best_c_new[:] = c_new
+                best_p_new[:, :] = p_new
+                best_w_new[:] = w_new
+                best_cm[:, :] = cm
+                best_cf[:, :] = cf
+                best_cb[:, :] = cb
+        if best_k < 0 or not best_t < cur[r] * (1 - 1e-9):
+            continue
+        moved = True
+        ai, bi = a[r, best_k], b[r, best_k]
+        eidx[r, ai], lidx[r, ai] = b_na_e, b_na_l
+        if b_moved_b:
+            eidx[r, bi], lidx[r, bi] = b_nb_e, b_nb_l
+        fwd[r] = best_cf
+        bwd[r] = best_cb
+        mod[r] = best_cm
+        t_load[r] = best_t_new
+        l_count[r] = best_c_new
+        if use_pcap:
+            p_load[r] = best_p_new
+        if use_budget:
+            waiting[r] = best_w_new
+        cur[r] = best_t
+    return moved

@@ -1,0 +1,198 @@
+"""Compiled twins of the level-2 set builders (numba, when installed; see :mod:`entrain_data.compiled`).
+
+Each function here returns exactly what its numpy original returns, row by row:
+:func:`fill_sets` is :func:`.llm_sets.llm_sets_fill`, :func:`lpt_sets` is
+:func:`.llm_sets.llm_sets_lpt`, :func:`vector_lpt` is the item-by-item branch of
+:func:`.encoder_sets.vector_bins`. The numpy versions loop over microbatches or items
+with one array operation per step over every replica; here each replica runs its own
+loop. Float sums are sequential on both sides (the numpy code sums with ``cumsum``
+where an order matters), ties go to the first index as ``argmin``/``argmax`` and the
+stable sorts give them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..compiled import jit
+
+__all__ = ["fill_sets", "lpt_sets", "vector_lpt"]
+
+
+@jit
+def _fill_row(avail, cost, tok, limit, cap, take, fills):
+    """One row of :func:`.llm_sets._fill`: marks ``take``, returns the tokens taken."""
+    n = cost.shape[0]
+    key = np.empty(n)
+    for i in range(n):
+        key[i] = -cost[i] if avail[i] else np.inf
+    order = np.argsort(key, kind="mergesort")
+    length = n
+    cum_c = 0.0
+    cum_t = 0
+    load = 0.0
+    for k in range(n):
+        i = order[k]
+        c = cost[i] if avail[i] else 0.0
+        t = tok[i] if avail[i] else 0
+        cum_c += c
+        cum_t += t
+        if not (avail[i] and cum_c <= limit and cum_t <= cap):
+            length = k
+            break
+        load = cum_c
+    if length == 0 and avail[order[0]]:
+        length = 1
+        load = cost[order[0]]
+    ntok = 0
+    for i in range(n):
+        take[i] = False
+    for k in range(length):
+        take[order[k]] = True
+        ntok += tok[order[k]] if avail[order[k]] else 0
+    for _ in range(fills):
+        best = -1
+        best_c = -1.0
+        for i in range(n):
+            fits = cost[i] <= limit - load and tok[i] <= cap - ntok
+            if avail[i] and not take[i] and fits and cost[i] > best_c:  # first largest
+                best, best_c = i, cost[i]
+        if best < 0:
+            break
+        take[best] = True
+        load += cost[best]
+        ntok += tok[best]
+    return ntok
+
+
+@jit
+def fill_sets(eidx, has_enc, valid, llm, tok, m, tol, cap, use_budget, budget):
+    """[R, n] LLM microbatch and [R] failed of :func:`.llm_sets.llm_sets_fill`."""
+    r_count, n = llm.shape
+    lidx = np.full((r_count, n), -1, np.int64)
+    failed = np.zeros(r_count, np.bool_)
+    consumed = np.empty(n, np.bool_)
+    avail = np.empty(n, np.bool_)
+    take = np.empty(n, np.bool_)
+    okey = np.empty(n, np.int64)
+    big = np.iinfo(np.int64).max // 4
+    for r in range(r_count):
+        for i in range(n):
+            consumed[i] = not valid[r, i]
+        for j in range(m):
+            remaining = 0.0
+            for i in range(n):
+                avail[i] = not consumed[i] and (eidx[r, i] <= j or not has_enc[r, i])
+                remaining += 0.0 if consumed[i] else llm[r, i]
+            if j == m - 1:
+                ntok = 0
+                for i in range(n):
+                    take[i] = avail[i]
+                    if avail[i]:
+                        ntok += tok[r, i]
+                    elif not consumed[i]:
+                        failed[r] = True
+                if ntok > cap:
+                    failed[r] = True
+            else:
+                target = remaining / (m - j)
+                ntok = _fill_row(avail, llm[r], tok[r], target * (1 + tol), cap, take, 3)
+                if use_budget:
+                    buffered = 0
+                    for i in range(n):
+                        w = has_enc[r, i] and eidx[r, i] <= j and not consumed[i] and not take[i]
+                        okey[i] = eidx[r, i] * (n + 1) + i if w else big
+                        if w:
+                            buffered += tok[r, i]
+                    if buffered > budget:  # consume the oldest waiting samples first
+                        order = np.argsort(okey, kind="mergesort")
+                        for k in range(n):
+                            i = order[k]
+                            if okey[i] == big or buffered <= budget:
+                                break
+                            if ntok + tok[r, i] <= cap:
+                                take[i] = True
+                                ntok += tok[r, i]
+                                buffered -= tok[r, i]
+                        if buffered > budget:
+                            failed[r] = True
+            for i in range(n):
+                if take[i]:
+                    lidx[r, i] = j
+                    consumed[i] = True
+    return lidx, failed
+
+
+@jit
+def lpt_sets(eidx, has_enc, valid, llm, tok, order, m, cap, budget):
+    """[R, n] LLM microbatch and [R] failed of :func:`.llm_sets.llm_sets_lpt`."""
+    r_count, n = llm.shape
+    lidx = np.full((r_count, n), -1, np.int64)
+    failed = np.zeros(r_count, np.bool_)
+    loads = np.empty(m)
+    toks = np.empty(m, np.int64)
+    buffered = np.empty(m, np.int64)
+    for r in range(r_count):
+        loads[:] = 0.0
+        toks[:] = 0
+        buffered[:] = 0
+        for t in range(n):
+            item = order[r, t]
+            if not valid[r, item]:
+                break  # invalid members sort last
+            he = has_enc[r, item]
+            rel = eidx[r, item] if he else 0
+            tk = tok[r, item]
+            best = -1
+            best_v = np.inf
+            reach = True
+            for j in range(m):
+                if j > 0:  # every boundary rel..j-1 can hold the sample while it waits
+                    jb = j - 1
+                    reach = reach and (buffered[jb] + tk <= budget or jb < rel or not he)
+                if j >= rel and reach and toks[j] + tk <= cap:
+                    v = loads[j] + 1e-12 * toks[j]
+                    if v < best_v:
+                        best, best_v = j, v
+            if best < 0:
+                failed[r] = True
+                continue
+            lidx[r, item] = best
+            loads[best] += llm[r, item]
+            toks[best] += tk
+            if he:
+                for jb in range(rel, best):
+                    buffered[jb] += tk
+    return lidx, failed
+
+
+@jit
+def vector_lpt(wn, order, valid, m):
+    """[R, n] bin ids of :func:`.encoder_sets.vector_bins` placing item by item."""
+    r_count, n, d = wn.shape
+    bins = np.full((r_count, n), -1, np.int64)
+    loads = np.empty((m, d))
+    counts = np.empty(m)
+    for r in range(r_count):
+        loads[:, :] = 0.0
+        counts[:] = 0.0
+        for t in range(n):
+            item = order[r, t]
+            if not valid[r, item]:
+                break  # invalid members sort last
+            best = -1
+            best_v = np.inf
+            for j in range(m):
+                after = loads[j, 0] + wn[r, item, 0]
+                total = loads[j, 0]
+                for q in range(1, d):
+                    after = max(after, loads[j, q] + wn[r, item, q])
+                    total += loads[j, q]
+                v = after + 1e-9 * total + 1e-12 * counts[j]
+                if v < best_v:
+                    best, best_v = j, v
+            bins[r, item] = best
+            for q in range(d):
+                loads[best, q] += wn[r, item, q]
+            counts[best] += 1.0
+    return bins

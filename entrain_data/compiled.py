@@ -1,0 +1,39 @@
+"""numba, when installed: the switch for the compiled twins of the assignment's hot loops.
+
+The assignment's inner loops (the pipeline search's rounds, the greedy set builders)
+run over a few hundred elements at a time, where numpy's per-call cost, not arithmetic,
+is the time. Their compiled twins (:mod:`.assignment.search_kernel`, :mod:`.assignment.sets_kernel`) loop
+element by element and return exactly what the numpy code returns (same draws, same
+order of every float operation, the same tie-breaks); the tests compare the two.
+
+numba is optional (``pip install entrain-data[fast]``): without it, or with
+``ENTRAIN_NUMBA=0`` in the environment, :func:`enabled` is false and every caller runs
+its numpy code. Compiled code is cached on disk by numba, so only the first process on a
+machine pays the compile time (a few seconds).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from functools import cache
+
+__all__ = ["enabled", "jit"]
+
+
+def jit(fn):
+    """``fn`` compiled by numba, its machine code cached on disk. Only the twin modules use
+    it, and they are imported only when :func:`enabled`: numba's import costs ~0.4 s."""
+    import numba
+
+    return numba.njit(cache=True, nogil=True)(fn)
+
+
+def enabled() -> bool:
+    """Whether callers should use the compiled twins (numba installed, not switched off)."""
+    return os.environ.get("ENTRAIN_NUMBA", "1") != "0" and _installed()
+
+
+@cache
+def _installed() -> bool:
+    return importlib.util.find_spec("numba") is not None
