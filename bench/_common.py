@@ -70,13 +70,14 @@ def pick_stages(model: ModelSpec, costs: SampleCosts, batches: np.ndarray, pp: i
     return best[1]
 
 
-def model_costs(name: str, table: SampleTable) -> SampleCosts | None:
-    """Costs of ``table`` under model ``name``; None when the model lacks a needed encoder."""
+def model_costs(name: str, table: SampleTable, frozen: bool = False) -> SampleCosts | None:
+    """Costs of ``table`` under model ``name`` (``frozen``: its encoders run forward only);
+    None when the model lacks a needed encoder."""
     encs, llm = MODELS[name]
     has_audio = bool(len(table.audio_seconds)) and float(np.sum(table.audio_seconds)) > 0
     if has_audio and "whisper-large-v3-encoder" not in encs:
         return None
-    return per_sample_costs(table, ModelSpec.from_names(list(encs), llm))
+    return per_sample_costs(table, ModelSpec.from_names(list(encs), llm, frozen_encoders=frozen))
 
 
 def tables(samples: int, seed: int, real: bool) -> dict[str, SampleTable]:

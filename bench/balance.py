@@ -25,6 +25,7 @@ cap by the token cap's rule); a summary checks the issue's claims over every row
 
     python bench/balance.py                       # paper setting: B=512, dp=4, M=32
     python bench/balance.py --batch 4096 --dp 16 --microbatches 16
+    python bench/balance.py --frozen-encoders --tag frozen    # encoders forward only
 
 Writes bench/results/balance[-TAG].json and balance[-TAG].png.
 """
@@ -68,7 +69,7 @@ DELAY = 2  # max_delay of the bench's "entrain_d2" row
 BENCH_METHODS = METHODS + ("entrain_d2",)
 
 
-def run_method(name, costs, per_stage, batches, dp, m, seed):
+def run_method(name, costs, per_stage, batches, dp, m, seed, frozen=False):
     """K iterations of one method; returns summary figures and the per-iteration loads."""
     method = "entrain" if name == "entrain_d2" else name
     delay = DELAY if name == "entrain_d2" else 0
@@ -91,6 +92,7 @@ def run_method(name, costs, per_stage, batches, dp, m, seed):
         cap_m = cap if method in CAP_AWARE else None
         pcap = patch_caps(pt, dp, m) if method in PATCH_CAP_AWARE else None
         kw = dict(dp=dp, microbatches=m, defer_budget=budget, method=method, seed=seed)
+        kw.update(frozen_encoders=frozen)  # entrain's pipeline proxy: no encoder backward
         kw.update(iteration=it, flush=it == len(batches) - 1, max_delay=delay, ages=ages)
         kw.update(encoder_patches=pt)
         t0 = time.perf_counter()
@@ -160,20 +162,27 @@ def whole_sample_bound(per_stage, batches, dp, m) -> dict:
 
 
 def bench_one(name, table, model_name, args):
-    costs = model_costs(model_name, table)
+    costs = model_costs(model_name, table, frozen=args.frozen_encoders)
     if costs is None:
         return None
     rng = np.random.default_rng([args.seed, 7])
     replace = len(table) < args.batch
     batches = [rng.choice(len(table), args.batch, replace=replace) for _ in range(args.iterations)]
     encs, llm = MODELS[model_name]
-    model = ModelSpec.from_names(list(encs), llm)
+    model = ModelSpec.from_names(list(encs), llm, frozen_encoders=args.frozen_encoders)
     stages = pick_stages(model, costs, np.stack(batches), args.pp)
     per_stage = stage_sample_costs(costs, stages)
     res, loads = {}, {}
     for method in BENCH_METHODS:
         res[method], loads[method] = run_method(
-            method, costs, per_stage, batches, args.dp, args.microbatches, args.seed
+            method,
+            costs,
+            per_stage,
+            batches,
+            args.dp,
+            args.microbatches,
+            args.seed,
+            args.frozen_encoders,
         )
     seq = res["sequential"]
     best_peer = max(PEERS, key=lambda k: res[k]["throughput"])
@@ -288,6 +297,9 @@ def main(argv=None) -> int:
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--no-real", action="store_true", help="skip the real tables")
     p.add_argument("--tag", default="")
+    p.add_argument(
+        "--frozen-encoders", action="store_true", help="encoders run forward only (no backward)"
+    )
     args = p.parse_args(argv)
     pool = max(args.batch * args.iterations * 2, 16384)
     all_tables = tables(pool, args.seed, real=not args.no_real)

@@ -344,6 +344,14 @@ class ParallelPlan:
             )
         return np.stack([enc[:, g].sum(axis=1) for g in groups], axis=1)
 
+    def frozen_encoder_groups(self) -> list[bool]:
+        """Per :meth:`encoder_groups` group (the columns of :meth:`stage_encoder_cost`), whether
+        every encoder in it is frozen (forward only); [] without a saved model."""
+        if not self.model:
+            return []
+        encoders = self.model_spec().encoders
+        return [all(encoders[i].frozen for i in g) for g in self.encoder_groups()]
+
     def fingerprint(self) -> str:
         """Short hash of the layout and microbatching: resume state refuses a different plan."""
         key = json.dumps(

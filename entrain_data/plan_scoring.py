@@ -150,6 +150,8 @@ def simulate(ctx: PlanContext, chosen, costs, idx, seed, schedule) -> tuple[list
     """
     enc_cost, llm_cost = costs.encoder_cost(), costs.llm_cost()
     tok = costs.llm_tokens.astype(np.int64)
+    frozen = [e.frozen for e in ctx.model.encoders]  # forward-only encoders: no backward in L
+    frozen = frozen if len(frozen) == np.shape(enc_cost)[1] and any(frozen) else False
     sims = np.full((len(chosen), len(idx)), np.nan)
     means_fb: list[list] = [[] for _ in chosen]  # per batch: (mean fwd [S], mean bwd [S], sync)
     assignments: dict[tuple[int, int, int], object] = {}
@@ -174,6 +176,7 @@ def simulate(ctx: PlanContext, chosen, costs, idx, seed, schedule) -> tuple[list
                     method="entrain",
                     seed=seed,
                     iteration=k,
+                    frozen_encoders=frozen,
                 )
             except InvalidInput as e:  # this (dp, M)'s cap cannot serve batch k
                 assignments[akey] = e

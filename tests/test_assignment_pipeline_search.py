@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -18,6 +19,7 @@ from entrain_data.assignment.pipeline_search import (
     proxy_stage_shares,
     refine_by_pipeline,
 )
+from entrain_data.errors import InvalidInput
 
 
 @given(
@@ -172,3 +174,40 @@ def test_search_never_empties_an_llm_set(seed, dp, m, extra):
     assert all(len(a.llm_sets[r][j]) for r in range(dp) for j in range(m))
     counts = [sum(len(s) for s in a.llm_sets[r]) for r in range(dp)]
     assert max(counts) - min(counts) <= 1, counts  # level 1 keeps replica sizes within one
+
+
+def test_frozen_encoder_runs_all_its_work_with_its_encoder_set():
+    """A frozen encoder has no backward: the proxy puts its whole cost with E, none with L."""
+    rng = np.random.default_rng(3)
+    enc = rng.random((2, 6, 2))  # [R, n, E]
+    llm = rng.random((2, 6))
+    valid = np.ones((2, 6), bool)
+    valid[1, 5] = False
+    v = valid[..., None]
+    for frozen, fwd in (([True, True], [1.0, 1.0]), ([True, False], [1.0, 1 / 3])):
+        ef, lf, lb = _per_stage(enc, llm, valid, np.array(frozen))
+        # over the stages: each encoder's forward share with E, its backward share (none for
+        # a frozen one) with L beside the LLM's backward (twice its forward)
+        np.testing.assert_allclose(ef.sum(axis=2), np.where(valid, enc @ np.array(fwd), 0.0))
+        e_bwd = (lb - 2 * lf).sum(axis=2)
+        np.testing.assert_allclose(
+            e_bwd, np.where(valid, enc @ (1 - np.array(fwd)), 0.0), atol=1e-12
+        )
+        assert (np.where(v, 0.0, np.abs(ef) + np.abs(lb)) == 0).all()
+
+
+def test_frozen_encoders_are_validated_and_keep_every_invariant():
+    rng = np.random.default_rng(5)
+    b, dp, m = 256, 4, 8
+    tok = rng.integers(50, 1500, b)
+    enc = np.stack([np.full(b, 2.0), rng.lognormal(0, 0.5, b)], axis=1)  # equal-cost audio
+    llm = tok * 1e-3
+    cap = int(max(tok.max(), 1.5 * tok.sum() / (dp * m)))
+    kw = dict(dp=dp, microbatches=m, max_tokens=cap, defer_budget=2 * cap)
+    for frozen in (True, [True, False], np.array([False, True])):
+        a = assign(enc, llm, tok, frozen_encoders=frozen, **kw)
+        check_assignment(a, b, tok, cap, 2 * cap)
+    with pytest.raises(InvalidInput, match="frozen_encoders"):
+        assign(enc, llm, tok, frozen_encoders=[True, False, True], **kw)
+    with pytest.raises(InvalidInput, match="frozen_encoders"):
+        assign(enc, llm, tok, frozen_encoders="yes", **kw)

@@ -62,13 +62,15 @@ def _batch(rng, b, e):
     e=st.integers(1, 3),
     caps=st.booleans(),
     budget=st.sampled_from([None, 0.5, 4.0]),
+    frozen=st.booleans(),
 )
-def test_assign_compiled_equals_numpy(seed, dp, m, per, e, caps, budget):
+def test_assign_compiled_equals_numpy(seed, dp, m, per, e, caps, budget, frozen):
     rng = np.random.default_rng(seed)
     b = dp * m + dp * per
     enc, llm, tok, pt = _batch(rng, b, e)
     mean_mb = tok.sum() / (dp * m)
     kw = dict(dp=dp, microbatches=m, seed=seed, iteration=seed % 5, encoder_patches=pt)
+    kw["frozen_encoders"] = frozen
     if caps:
         kw["max_tokens"] = int(max(tok.max(), 1.5 * mean_mb))
         pmean = pt.sum(axis=0) / (dp * m)

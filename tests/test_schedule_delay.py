@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from entrain_data.workers.schedule import Scheduler
 
+from entrain_data.assignment import assign
 from entrain_data.cost_model import per_sample_costs
 from entrain_data.presets import ModelSpec
 from entrain_data.workloads import synthesize
@@ -97,3 +98,32 @@ def test_service_serves_a_plan_with_bounded_delay_exactly_once(tmp_path):
         assert svc.wait(15) == 0
     finally:
         svc.close()
+
+
+def test_a_plan_with_frozen_encoders_tells_the_assignment(costs):
+    """``make_plan(..., frozen_encoder=True)`` -> the plan's encoder columns are frozen -> the
+    service's schedule passes that to ``assign`` (entrain's proxy then places no encoder
+    backward in the LLM sets); a trainable plan passes nothing."""
+    from entrain_data.workers.coordinator import _frozen_columns
+
+    from entrain_data.plan import Cluster
+    from entrain_data.planner import make_plan
+
+    table = synthesize("qwen2vl-dynamic", 400, seed=1)
+    enc, llm, tok = costs
+    for frozen in (True, False):
+        plan = make_plan(table, SPEC, Cluster(4), 64, frozen_encoder=frozen, batches=2)
+        cols = _frozen_columns(plan, enc)
+        assert cols == [frozen] * enc.shape[1]
+        seen = []
+
+        def record(*a, seen=seen, **kw):
+            seen.append(kw.get("frozen_encoders"))
+            return assign(*a, **kw)
+
+        s = Scheduler(
+            enc, llm, tok, dp=4, microbatches=4, global_batch=128, max_tokens=None,
+            defer_budget=None, method="entrain", seed=3, assign_fn=record, frozen_encoders=cols,
+        )  # fmt: skip
+        s.slots(0, 0)
+        assert seen == [cols if frozen else None]

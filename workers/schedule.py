@@ -132,6 +132,7 @@ class Scheduler:
         max_delay: int = 0,
         max_encoder_patches: int | None = None,
         encoder_stats: tuple[np.ndarray, dict[str, np.ndarray]] | None = None,
+        frozen_encoders: list[bool] | None = None,
     ) -> None:
         self.encoder_cost = np.asarray(encoder_cost)
         self.llm_cost = np.asarray(llm_cost)
@@ -146,6 +147,8 @@ class Scheduler:
         self.encoder_patches, self.encoder_uses = encoder_stats or (None, None)
         self.max_encoder_patches = max_encoder_patches if encoder_stats else None
         self.assign_fn = assign_fn or assign
+        # per encoder column: forward only (entrain's pipeline proxy places no backward)
+        self.frozen_encoders = list(frozen_encoders or [])
         n = len(self.llm_cost)
         min_batch = self.dp * self.microbatches
         probe = epoch_batches(n, self.global_batch, min_batch, self.seed, 0)
@@ -205,6 +208,8 @@ class Scheduler:
                 encoder_patches=self.encoder_patches[rows],
                 max_encoder_patches=self.max_encoder_patches,
             )
+        if any(self.frozen_encoders):
+            extra["frozen_encoders"] = self.frozen_encoders
         if ages is not None:  # nothing leaves its epoch: the last iteration flushes the queue
             extra["flush"] = iteration == self.shape.iterations - 1
             if self.max_delay > 0:

@@ -8,7 +8,7 @@ See :mod:`.entrain` for the method (with :mod:`.replica_split`, :mod:`.encoder_s
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -82,6 +82,7 @@ def assign(
     max_encoder_patches: int | np.ndarray | None = None,
     max_delay: int = 0,
     ages: np.ndarray | None = None,
+    frozen_encoders: bool | Sequence[bool] = False,
 ) -> Assignment:
     """Assign a global batch to ``dp`` replicas x ``microbatches`` encoder and LLM sets.
 
@@ -99,6 +100,10 @@ def assign(
     (entrain, opt-in): a heavy sample may wait up to K iterations (see :mod:`.delay`);
     the waiting ones are returned in ``carried`` and the caller prepends them to the
     next batch with ``ages`` (iterations each sample has waited so far) plus one.
+    ``frozen_encoders`` (one bool, or one per encoder column) marks encoders that run
+    forward only: entrain's pipeline proxy then puts all their work in the encoder set
+    and none of it in the LLM set (a trainable encoder's backward runs with the sample's
+    LLM microbatch); the other methods ignore it.
     Raises :class:`~entrain_data.errors.InvalidInput` (a ``ValueError``) naming the
     problem on bad input.
     """
@@ -118,6 +123,7 @@ def assign(
         max_encoder_patches,
         max_delay,
         ages,
+        frozen_encoders,
     )
     if method == "entrain":
         return _entrain_with_delay(x, seed, iteration, flush)

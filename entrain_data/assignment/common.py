@@ -81,6 +81,7 @@ class Inputs:
     patch_cap: np.ndarray | None = None  # [E] int64 cap per encoder set, None: no cap
     max_delay: int = 0
     ages: np.ndarray | None = None  # [B] iterations each sample has already been carried
+    frozen: np.ndarray | None = None  # [E] bool: the encoder runs forward only; None: all train
 
     @property
     def n(self) -> int:
@@ -107,6 +108,7 @@ class Replicas:
     cap: int | None  # LLM tokens per L set
     budget: int | None  # deferral buffer, tokens
     patch_cap: np.ndarray | None  # [E] patches per E set
+    frozen: np.ndarray | None = None  # [E] bool: forward only (no encoder backward in L sets)
 
     def take(self, replicas: np.ndarray) -> Replicas:
         """The same value restricted to some replicas (rows), e.g. the slowest ones."""
@@ -153,6 +155,7 @@ def validate_inputs(
     max_encoder_patches=None,
     max_delay=0,
     ages=None,
+    frozen_encoders=False,
 ) -> Inputs:
     """Check shapes, values and feasibility; raise :class:`InvalidInput` naming the problem."""
     enc = np.asarray(encoder_cost, dtype=np.float64)
@@ -231,7 +234,20 @@ def validate_inputs(
         patch_cap,
         int(max_delay),
         age.astype(np.int64),
+        _check_frozen(enc.shape[1], frozen_encoders),
     )
+
+
+def _check_frozen(e: int, frozen_encoders) -> np.ndarray | None:
+    """[E] bool from one flag for every encoder or one per encoder column; None if none is."""
+    f = np.asarray(frozen_encoders)
+    if f.dtype != np.bool_ or f.ndim > 1 or (f.ndim == 1 and len(f) != e):
+        raise InvalidInput(
+            f"frozen_encoders must be one bool or one per encoder column ({e}); "
+            f"got {frozen_encoders!r}"
+        )
+    f = np.broadcast_to(f, (e,)).copy()
+    return f if f.any() else None
 
 
 def _check_patches(e: int, b: int, encoder_patches, max_encoder_patches):

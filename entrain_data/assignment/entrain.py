@@ -102,6 +102,7 @@ def replicas_of(x: Inputs, members: np.ndarray) -> Replicas:
         cap=x.max_tokens,
         budget=x.defer_budget,
         patch_cap=x.patch_cap,
+        frozen=x.frozen,
     )
 
 
@@ -174,7 +175,7 @@ def _pick(cands: list[Candidate], rp: Replicas) -> tuple[np.ndarray, np.ndarray]
     best_key = np.full(r_count, np.inf)
     eidx = np.zeros_like(cands[0].eidx)
     lidx = np.zeros_like(eidx)
-    stage = _per_stage(rp.enc_cols, rp.llm, valid)
+    stage = _per_stage(rp.enc_cols, rp.llm, valid, rp.frozen)
     for e_eff, cl, sc in scored:
         ok = np.isfinite(sc) & (sc <= best_sc * (1 + _TIME_PICK_SLACK) + 1e-12)
         if not ok.any():

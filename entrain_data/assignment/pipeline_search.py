@@ -26,10 +26,9 @@ vectorised pass and keeps the best if it shortens the replica's proxy
 iteration. The proxy time of a replica therefore never grows, and no move may
 leave an LLM set empty.
 
-Limit: the proxy treats every encoder as trainable. With a frozen encoder
-there is no encoder backward to place, so the gain the search buys with its
-CV allowance may not exist on the real pipeline; ``assign`` does not receive
-the trainability today (it would need a new, optional argument).
+An encoder that ``assign`` is told is frozen (``frozen_encoders``) has no backward:
+its whole cost runs with its encoder set, and deferring its samples costs the
+encoder stages nothing in the L sets.
 """
 
 from __future__ import annotations
@@ -86,19 +85,26 @@ def proxy_stage_shares(module_totals: np.ndarray, stages: int = _PROXY_STAGES) -
     return shares
 
 
-def _per_stage(enc_cols, llm, valid):
+def _per_stage(enc_cols, llm, valid, frozen=None):
     """Per-sample proxy stage costs [R, n, S]: encoder forward (with E), forward and
-    backward that run with L (LLM forward; encoder and LLM backward)."""
+    backward that run with L (LLM forward; encoder and LLM backward). A frozen encoder
+    (``frozen`` [E] bool) is all forward: its whole cost runs with E."""
     totals = np.concatenate(
         [np.where(valid[..., None], enc_cols, 0.0).sum(axis=(0, 1)), [llm[valid].sum()]]
     )
     sh = proxy_stage_shares(totals)  # [S, K]
-    e_stage = enc_cols @ sh[:, :-1].T  # [R, n, S]
     l_stage = llm[..., None] * sh[None, None, :, -1]
     zero = ~valid[..., None]
-    ef = np.where(zero, 0.0, _FWD_SHARE * e_stage)
     lf = np.where(zero, 0.0, _FWD_SHARE * l_stage)
-    lb = np.where(zero, 0.0, (1 - _FWD_SHARE) * (e_stage + l_stage))
+    if frozen is None or not np.any(frozen):
+        e_stage = enc_cols @ sh[:, :-1].T  # [R, n, S]
+        ef = np.where(zero, 0.0, _FWD_SHARE * e_stage)
+        lb = np.where(zero, 0.0, (1 - _FWD_SHARE) * (e_stage + l_stage))
+        return ef, lf, lb
+    fwd = np.where(frozen, 1.0, _FWD_SHARE)  # [E] forward share of each encoder's cost
+    ef = np.where(zero, 0.0, (enc_cols * fwd) @ sh[:, :-1].T)
+    e_bwd = (enc_cols * (1 - fwd)) @ sh[:, :-1].T
+    lb = np.where(zero, 0.0, e_bwd + (1 - _FWD_SHARE) * l_stage)
     return ef, lf, lb
 
 
@@ -126,7 +132,7 @@ def proxy_times(rp: Replicas, eidx: np.ndarray, lidx: np.ndarray, stage=None) ->
 
     ``stage``: the (ef, lf, lb) of :func:`_per_stage`, when the caller already has them."""
     valid, m = rp.valid, rp.m
-    ef, lf, lb = stage if stage is not None else _per_stage(rp.enc_cols, rp.llm, valid)
+    ef, lf, lb = stage if stage is not None else _per_stage(rp.enc_cols, rp.llm, valid, rp.frozen)
     fwd = _loads(eidx, ef, valid, m) + _loads(lidx, lf, valid, m)
     return _replica_times(fwd, _loads(lidx, lb, valid, m))
 
@@ -150,7 +156,7 @@ def refine_slowest(
     if r_count <= _FOCUS:
         return refine_by_pipeline(rp, eidx, lidx, rng)
     eidx, lidx = eidx.copy(), lidx.copy()
-    stage = _per_stage(rp.enc_cols, rp.llm, rp.valid)
+    stage = _per_stage(rp.enc_cols, rp.llm, rp.valid, rp.frozen)
     for _ in range(_ROUNDS // _PASS_ROUNDS):
         cur = proxy_times(rp, eidx, lidx, stage)
         act = np.sort(np.argsort(-cur, kind="stable")[:_FOCUS])
@@ -181,7 +187,7 @@ def refine_by_pipeline(
     if m < 2 or n == 0 or rounds <= 0:
         return eidx, lidx
     eidx, lidx = eidx.copy(), lidx.copy()
-    ef, lf, lb = _per_stage(enc_cols, llm, valid)
+    ef, lf, lb = _per_stage(enc_cols, llm, valid, rp.frozen)
     fwd = _loads(eidx, ef, valid, m) + _loads(lidx, lf, valid, m)
     bwd = _loads(lidx, lb, valid, m)
     cur = _replica_times(fwd, bwd)  # [R]
