@@ -40,6 +40,7 @@ __all__ = [
     "PipelineResult",
     "simulate_pipeline",
     "schedule_order",
+    "topological_order",
     "set_loads",
     "stage_times",
     "stage_sample_costs",
@@ -116,7 +117,9 @@ def _check(fwd: np.ndarray, bwd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 @lru_cache(maxsize=256)
-def _topological(schedule: str, microbatches: int, stages: int) -> tuple[tuple[int, int, int], ...]:
+def topological_order(
+    schedule: str, microbatches: int, stages: int
+) -> tuple[tuple[int, int, int], ...]:
     """Every op ``(stage, kind, microbatch)`` in an order where its dependencies come first.
 
     Found once per shape by running the schedule's per-stage order to a fixed
@@ -157,7 +160,7 @@ def simulate_pipeline(fwd: np.ndarray, bwd: np.ndarray, schedule: str = "1f1b") 
     """
     fwd, bwd = _check(fwd, bwd)
     r_count, m, s_count = fwd.shape
-    topo = _topological(schedule, m, s_count)
+    topo = topological_order(schedule, m, s_count)
     if r_count > 1 and compiled.enabled():  # the same recurrence compiled, replica by replica
         from .assignment.search_kernel import recurrence  # numba is imported with it
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import compiled
-from ..simulator import _topological, simulate_pipeline
+from ..simulator import simulate_pipeline, topological_order
 from .common import Replicas, slot_sums
 
 __all__ = ["proxy_stage_shares", "proxy_times", "refine_by_pipeline", "refine_slowest"]
@@ -227,7 +227,7 @@ def refine_by_pipeline(
     step = _round_numpy
     if compiled.enabled():
         from .search_kernel import search_round as step  # numba is imported with it
-    topo = np.asarray(_topological("1f1b", m, fwd.shape[2]), dtype=np.int64)
+    topo = np.asarray(topological_order("1f1b", m, fwd.shape[2]), dtype=np.int64)
     p_cap = np.zeros(p_samp.shape[2], np.int64) if pcap is None else np.asarray(pcap, np.int64)
     state = (fwd, bwd, mod, t_load, l_count, p_load, waiting, cur)
     per_sample = (eidx, lidx, has_enc, tok.astype(np.int64), wait_tok, p_samp, ef, lf, lb)
