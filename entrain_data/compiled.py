@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 from functools import cache
 
 __all__ = ["enabled", "jit"]
@@ -24,7 +25,8 @@ __all__ = ["enabled", "jit"]
 
 def jit(fn):
     """``fn`` compiled by numba, its machine code cached on disk. Only the twin modules use
-    it, and they are imported only when :func:`enabled`: numba's import costs ~0.4 s."""
+    it, and they are imported only when :func:`enabled`: numba's import costs ~0.4 s, paid
+    by the first assignment (or multi-replica simulation) of a process, not by every import."""
     import numba
 
     return numba.njit(cache=True, nogil=True)(fn)
@@ -37,4 +39,15 @@ def enabled() -> bool:
 
 @cache
 def _installed() -> bool:
-    return importlib.util.find_spec("numba") is not None
+    """numba importable here: a numba built for another numpy fails at import, and then the
+    numpy code runs (with one warning) instead of every assignment failing."""
+    if importlib.util.find_spec("numba") is None:
+        return False
+    try:
+        import numba  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any failure means: run the numpy code
+        warnings.warn(
+            f"numba is installed but cannot be imported ({exc}); using numpy", stacklevel=3
+        )
+        return False
+    return True

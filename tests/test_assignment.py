@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -235,3 +239,25 @@ def test_every_encoder_column_is_balanced_not_only_their_sum():
 
     for e in (0, 1):
         assert col_cv(a, e) < col_cv(s, e) / 2
+
+
+def test_a_numba_that_cannot_be_imported_falls_back_to_numpy(tmp_path):
+    """A numba built for another numpy fails at import: assign warns once and runs numpy."""
+    fake = tmp_path / "numba"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('built for another numpy')\n")
+    code = (
+        "import warnings, numpy as np\n"
+        "from entrain_data.assignment import assign, check_assignment\n"
+        "rng = np.random.default_rng(0)\n"
+        "tok = rng.integers(10, 100, 64)\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    a = assign(rng.random((64, 1)), tok * 1e-3, tok, dp=2, microbatches=4)\n"
+        "check_assignment(a, 64, tok)\n"
+        "assert any('cannot be imported' in str(x.message) for x in w), [str(x.message) for x in w]\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    env.pop("ENTRAIN_NUMBA", None)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
