@@ -104,7 +104,7 @@ def test_a_plan_with_frozen_encoders_tells_the_assignment(costs):
     """``make_plan(..., frozen_encoder=True)`` -> the plan's encoder columns are frozen -> the
     service's schedule passes that to ``assign`` (entrain's proxy then places no encoder
     backward in the LLM sets); a trainable plan passes nothing."""
-    from entrain_data.workers.coordinator import _frozen_columns
+    from entrain_data.workers.schedule import frozen_columns
 
     from entrain_data.plan import Cluster
     from entrain_data.planner import make_plan
@@ -113,7 +113,7 @@ def test_a_plan_with_frozen_encoders_tells_the_assignment(costs):
     enc, llm, tok = costs
     for frozen in (True, False):
         plan = make_plan(table, SPEC, Cluster(4), 64, frozen_encoder=frozen, batches=2)
-        cols = _frozen_columns(plan, enc)
+        cols = frozen_columns(plan, enc)
         assert cols == [frozen] * enc.shape[1]
         seen = []
 

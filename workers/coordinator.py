@@ -18,7 +18,6 @@ import time
 from collections import deque
 from typing import Any
 
-import numpy as np
 import zmq
 
 from entrain_data import protocol
@@ -39,7 +38,7 @@ from .hello import check_hello
 from .pool import WorkerPool
 from .production import Production, RankState, reachable_data_endpoint, remote_host
 from .sample_source import encoder_stats
-from .schedule import Scheduler, data_fingerprint, digest
+from .schedule import Scheduler, data_fingerprint, digest, frozen_columns
 from .skips import SkipRecord, parse_budget
 from .stats import Counters, service_stats
 
@@ -84,7 +83,7 @@ class Coordinator:
             max_delay=self.plan.max_delay,
             max_encoder_patches=self.plan.max_encoder_patches or None,
             encoder_stats=encoder_stats(cfg.source),
-            frozen_encoders=_frozen_columns(self.plan, enc),
+            frozen_encoders=frozen_columns(self.plan, enc),
         )
         self.shape = self.scheduler.shape
         self.end_pos = cfg.epochs * self.shape.per_epoch
@@ -497,10 +496,3 @@ class Coordinator:
         ):
             self._last_stats = time.monotonic()
             (self.on_stats or (lambda st: log.info("stats %s", json.dumps(st))))(self.stats())
-
-
-def _frozen_columns(plan: ParallelPlan, enc: np.ndarray) -> list[bool] | None:
-    """Per encoder cost column, whether the plan's model freezes it (None when the source's
-    columns are not the plan's encoder groups, e.g. a wrapped Dataset's own costs)."""
-    groups = plan.frozen_encoder_groups()
-    return groups if groups and len(groups) == np.shape(enc)[1] else None

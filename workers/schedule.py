@@ -26,6 +26,7 @@ import numpy as np
 from entrain_data.assignment import assign
 from entrain_data.encoder_calls import encoder_calls
 from entrain_data.errors import InvalidInput
+from entrain_data.plan import ParallelPlan
 
 __all__ = [
     "StreamShape",
@@ -104,6 +105,13 @@ def epoch_batches(
 def epoch_left_out(n: int, global_batch: int, min_batch: int, seed: int, epoch: int) -> np.ndarray:
     """Table rows that :func:`epoch_batches` leaves out of ``epoch`` (its too-small last batch)."""
     return _epoch_split(n, global_batch, min_batch, seed, epoch)[1]
+
+
+def frozen_columns(plan: ParallelPlan, encoder_cost: np.ndarray) -> list[bool] | None:
+    """Per encoder cost column, whether the plan's model freezes it (None when the source's
+    columns are not the plan's encoder groups, e.g. a wrapped Dataset's own costs)."""
+    groups = plan.frozen_encoder_groups()
+    return groups if groups and len(groups) == np.shape(encoder_cost)[1] else None
 
 
 class Scheduler:
