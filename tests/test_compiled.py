@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from entrain_data import compiled
 from entrain_data.assignment import assign, check_assignment
 from entrain_data.cost_model import per_sample_costs
 from entrain_data.errors import InvalidInput
@@ -29,6 +30,7 @@ def _both(fn):
     for flag in ("0", "1"):
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("ENTRAIN_NUMBA", flag)
+            assert compiled.enabled() == (flag == "1")  # the second run is really compiled
             try:
                 out.append(fn())
             except InvalidInput as exc:
