@@ -171,8 +171,6 @@ def run_service(index: str, plan: Any, workers: int, source: str, direct: bool |
     """8 ranks of one service; ``direct`` None: the tree's only route (a previous release)."""
     from entrain_data.workers.service import start_service
 
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
     options = {} if direct is None else {"direct": direct}
     with tempfile.TemporaryDirectory(prefix="entrain-fanout-") as d:
         svc = start_service(
@@ -182,18 +180,9 @@ def run_service(index: str, plan: Any, workers: int, source: str, direct: bool |
             **_source(source, index, plan),
         )
         try:
-            procs = [
-                ctx.Process(target=_rank, args=(svc.endpoint, r, options, out))
-                for r in range(RANKS)
-            ]
-            for p in procs:
-                p.start()
-            res = [out.get(timeout=900) for _ in procs]
-            for p in procs:
-                p.join(60)
+            return _rates(_per_rank(_rank, lambda r: (svc.endpoint, r, options)))
         finally:
             svc.close()
-    return _rates(res)
 
 
 def _rates(res: list[tuple]) -> dict:
@@ -330,18 +319,20 @@ def _dl_rank(index: str, plan_json: str, rank: int, source: str, workers: int, o
 
 
 def run_dataloader(index: str, plan: Any, workers: int, source: str) -> dict:
+    return _rates(_per_rank(_dl_rank, lambda r: (index, plan.to_json(), r, source, workers)))
+
+
+def _per_rank(target: Any, args_of: Any) -> list:
+    """One spawned process per rank running ``target(*args_of(rank), queue)``; their reports."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [
-        ctx.Process(target=_dl_rank, args=(index, plan.to_json(), r, source, workers, out))
-        for r in range(RANKS)
-    ]
+    procs = [ctx.Process(target=target, args=(*args_of(r), out)) for r in range(RANKS)]
     for p in procs:
         p.start()
     res = [out.get(timeout=900) for _ in procs]
     for p in procs:
         p.join(60)
-    return _rates(res)
+    return res
 
 
 # ------------------------------------------------------------------- the previous release
@@ -410,14 +401,9 @@ def main(args: Any) -> dict:
                                 True)  # fmt: skip
         print(f"  decode, {k} worker(s): {decode[k]['samples_per_s']:.1f} images/s")
     direct = rows["direct (this tree)"]
-    hop = (
-        rows.get("previous release (coordinator hop)")
-        or rows["through the coordinator (this tree, direct=False)"]
-    )
     ratios = {
         "direct / raw pyzmq (>= 0.90)": direct["mb_per_s"]
         / rows["raw pyzmq (same message sizes)"]["mb_per_s"],
-        "direct / previous release hop (>= 2.0)": direct["mb_per_s"] / hop["mb_per_s"],
         "direct / this tree's hop": direct["mb_per_s"]
         / rows["through the coordinator (this tree, direct=False)"]["mb_per_s"],
         "direct / torch DataLoader": direct["mb_per_s"]
@@ -427,6 +413,9 @@ def main(args: Any) -> dict:
         "2 workers / 1 worker, real decode (>= 1.5)": decode[2]["samples_per_s"]
         / decode[1]["samples_per_s"],
     }
+    previous = rows.get("previous release (coordinator hop)")  # with --previous only
+    if previous:
+        ratios["direct / previous release hop (>= 2.0)"] = direct["mb_per_s"] / previous["mb_per_s"]
     print(f"\n{'route':<52} {'images/s':>9} {'MB/s':>8}")
     for name, r in rows.items():
         ips = r.get("samples_per_s")
