@@ -123,6 +123,10 @@ class Connection:
             self.close()
             raise
         self.info = welcome.header
+        got = self.info.get("position")
+        if got:  # resumed under a new plan, the service starts the rank at its iteration's start
+            position = (int(got[0]), int(got[1]), int(got[2]))
+            self.low = position  # and the first credit says so: that microbatch is wanted
         self.shm_dir = self.info.get("shm_dir")
         self.direct = bool(self.info.get("direct")) and self.data is not None
         if not self.direct:
