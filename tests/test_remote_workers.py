@@ -58,6 +58,8 @@ def test_remote_workers_join_over_curve_and_a_killed_one_loses_nothing(tmp_path)
             time.sleep(0.3)
         its = [iter(ld) for ld in loaders]
         out = {0: [next(its[0])], 1: [next(its[1])]}
+        # remote workers too send straight to the ranks (tcp + CURVE to each rank's socket)
+        assert loaders[0].stats()["remote_direct_ranks"] == [0, 1]
         os.kill(procs[0].pid, signal.SIGKILL)  # a remote worker dies mid-epoch
         for r in (0, 1):
             out[r].extend(its[r])
@@ -65,8 +67,10 @@ def test_remote_workers_join_over_curve_and_a_killed_one_loses_nothing(tmp_path)
         stats = loaders[0].stats()
         survivor = f"x{socket.gethostname()}-{procs[1].pid}"
         assert [w["tasks"] > 0 for w in stats["workers"] if w["remote"] == survivor] == [True]
-        # remote workers too send straight to the ranks (tcp + CURVE to each rank's socket)
-        assert stats["direct_ranks"] == [0, 1] and stats["bytes_relayed"] == 0
+        assert stats["direct_ranks"] == [0, 1]
+        # nothing passed through the coordinator, unless the killed worker had reported a send
+        # its socket never delivered: that rank's remote microbatches then take the hop
+        assert stats["bytes_relayed"] == 0 or stats["remote_direct_ranks"] != [0, 1]
         close_all(loaders)
         assert svc.wait(30) == 0
         assert procs[1].wait(30) == 0  # stopped with the job

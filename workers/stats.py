@@ -47,6 +47,10 @@ def service_stats(coord: Any) -> dict[str, Any]:
         },
         "ranks": {str(r.rank): r.next_pos for r in coord.ranks.values()},
         "direct_ranks": sorted(r.rank for r in coord.ranks.values() if r.data is not None),
+        # direct ranks that remote workers still reach over tcp (not fallen back to the hop)
+        "remote_direct_ranks": sorted(
+            r.rank for r in coord.ranks.values() if r.data is not None and r.remote is not None
+        ),
         "assignment_latency_s": {
             "count": len(lat),
             "mean": (sum(lat) / len(lat)) if lat else 0.0,
