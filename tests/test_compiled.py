@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_assignment_caps_delay import _batch  # heavy-tailed tokens, text-only samples
 
 from entrain_data import compiled
 from entrain_data.assignment import assign, check_assignment
@@ -43,16 +44,6 @@ def _same_sets(a, b) -> bool:
         return a == b
     pairs = zip(a.encoder_sets + a.llm_sets, b.encoder_sets + b.llm_sets, strict=True)
     return all(np.array_equal(x, y) for ra, rb in pairs for x, y in zip(ra, rb, strict=True))
-
-
-def _batch(rng, b, e):
-    tokens = rng.integers(20, 1500, b)
-    tokens[rng.random(b) < 0.05] *= 8  # a heavy tail
-    patches = (tokens[:, None] * rng.uniform(1.0, 4.0, (b, e))).astype(np.int64)
-    patches *= rng.random((b, e)) < 0.75  # text-only samples, per encoder
-    enc = patches * 1e-5 + (patches / 4000.0) ** 2 * 1e-3
-    llm = tokens * 1e-4 + (tokens / 1000.0) ** 2 * 1e-3
-    return enc, llm, tokens, patches
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
