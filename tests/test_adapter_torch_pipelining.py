@@ -91,7 +91,10 @@ def test_1f1b_balanced_equals_unbalanced(tmp_path: Path) -> None:
     """Two 1F1B stages on 2 gloo ranks, padded per step, match one unbalanced process."""
     batches = global_batches(STEPS)
     steps = [replica_microbatches(b, it, 1, MICROBATCHES)[0] for it, b in enumerate(batches)]
-    assert all(count_deferred(mbs) for mbs in steps), "scenario must defer in every step"
+    # the assignment picks joint sets where they are faster (the third step here): the
+    # scenario must still defer in most steps
+    deferring = [count_deferred(mbs) > 0 for mbs in steps]
+    assert sum(deferring) >= 2, f"scenario must defer in most steps: {deferring}"
     lengths = {padded_length([mb.num_tokens for mb in mbs]) for mbs in steps}
     assert len(lengths) > 1, "lengths must change between steps to exercise the schedule cache"
 

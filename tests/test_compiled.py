@@ -105,3 +105,31 @@ def test_simulation_compiled_equals_numpy():
     a, b = _both(lambda: simulate_pipeline(fwd, bwd))
     assert np.array_equal(a.replica_times, b.replica_times)
     assert (a.iteration_time, a.bubble_fraction) == (b.iteration_time, b.bubble_fraction)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    rows=st.integers(1, 5),
+    n=st.integers(2, 90),
+    m=st.integers(2, 12),
+    d=st.integers(1, 9),
+    ones=st.booleans(),
+)
+def test_vector_refinement_compiled_equals_numpy(seed, rows, n, m, d, ones):
+    # the refinement on its own: ties (a count column) and every column count, 9 included
+    from entrain_data.assignment.encoder_sets import refine_vector, vector_bins
+
+    rng = np.random.default_rng(seed)
+    w = rng.lognormal(0, 1, (rows, n, d))
+    if ones:
+        w[..., 0] = 1.0
+    valid = rng.random((rows, n)) < 0.9
+
+    def refined():
+        bins = vector_bins(w, valid, m)
+        refine_vector(bins, w, valid, m, iters=4 * m)
+        return bins
+
+    a, b = _both(refined)
+    assert np.array_equal(a, b)

@@ -11,8 +11,16 @@ from __future__ import annotations
 import numpy as np
 
 from .. import compiled
+from .common import slot_sums
 
-__all__ = ["lpt_bins", "refine_bins", "vector_bins", "order_by_llm", "order_mountain"]
+__all__ = [
+    "lpt_bins",
+    "refine_bins",
+    "vector_bins",
+    "refine_vector",
+    "order_by_llm",
+    "order_mountain",
+]
 
 _ITEMWISE_LPT = 512  # rows up to this many items are placed one item at a time
 
@@ -164,6 +172,90 @@ def vector_bins(w: np.ndarray, valid: np.ndarray, m: int) -> np.ndarray:
         np.add.at(loads, (rr, tb[ok]), wn[rr, item[ok]])
         np.add.at(counts, (rr, tb[ok]), 1)
     return bins
+
+
+def refine_vector(bins: np.ndarray, w: np.ndarray, valid: np.ndarray, m: int, iters: int) -> None:
+    """Improve [R, n] bin ids of :func:`vector_bins` in place: move or swap items between each
+    row's worst bin and the bin whose deviation from the per-bin target most opposes it (the
+    next most opposed where that pair is stuck), when that lowers the two bins' sum over
+    columns of squared relative deviation.
+
+    Vector LPT fills a bin until its *worst* column reaches the target, so the other
+    columns end unbalanced: where one column is a count (every clip padded to 30 s, every
+    image at one resolution) its bins hold 3 or 5 items where 4 would balance every column.
+    Each step tries every (move, swap) between the two bins: O(R * k^2 * D) for k items a bin.
+    """
+    r_count, n, d = w.shape
+    if n == 0 or m < 2:
+        return
+    rows = np.arange(r_count)
+    target = np.where(valid[..., None], w, 0.0).sum(axis=1) / m  # [R, D]
+    wn = np.where(valid[..., None], w / np.where(target > 0, target, 1.0)[:, None, :], 0.0)
+    slot = np.where(valid, bins, m)  # invalid items in an extra, ignored bin
+    dev = slot_sums(slot, wn, valid, m) - np.where(target > 0, 1.0, 0.0)[:, None, :]  # [R, m, D]
+    counts = slot_sums(slot, np.ones((r_count, n)), valid, m)
+    if compiled.enabled():
+        from . import sets_kernel  # numba is imported with it
+
+        sets_kernel.refine_vector_rows(slot, np.ascontiguousarray(wn), dev, counts, m, iters)
+        bins[:] = np.where(valid, slot, -1)
+        return
+    tries = np.zeros(r_count, dtype=np.int64)  # partners of the worst bin tried in vain
+    for _ in range(iters):
+        active = tries < m - 1
+        if not active.any():
+            break
+        obj = _dot(dev, dev)  # [R, m]
+        h = np.argmax(obj, axis=1)
+        dh = dev[rows, h]  # [R, D]
+        opp = _dot(dev, np.broadcast_to(dh[:, None, :], dev.shape))
+        opp[rows, h] = np.inf
+        b = np.argsort(opp, axis=1, kind="stable")[rows, np.minimum(tries, m - 2)]
+        db = dev[rows, b]
+        in_h = slot == h[:, None]
+        in_b = slot == b[:, None]
+        k = int(max(counts[rows, h].max(), counts[rows, b].max(), 1))
+        ih = np.argsort(~in_h, axis=1, kind="stable")[:, :k]
+        ib = np.argsort(~in_b, axis=1, kind="stable")[:, :k]
+        vh = np.concatenate([np.ones((r_count, 1), bool), in_h[rows[:, None], ih]], axis=1)
+        vb = np.concatenate([np.ones((r_count, 1), bool), in_b[rows[:, None], ib]], axis=1)
+        zero = np.zeros((r_count, 1, d))
+        xh = np.concatenate([zero, wn[rows[:, None], ih]], axis=1)  # [R, k+1, D] leaves h
+        yb = np.concatenate([zero, wn[rows[:, None], ib]], axis=1)  # [R, k+1, D] leaves b
+        new_h = dh[:, None, None, :] - xh[:, :, None, :] + yb[:, None, :, :]
+        new_b = db[:, None, None, :] + xh[:, :, None, :] - yb[:, None, :, :]
+        new = _dot(new_h, new_h) + _dot(new_b, new_b)  # [R, k+1, k+1]
+        ok = vh[:, :, None] & vb[:, None, :]
+        ok[:, 0, 0] = False
+        # never empty a bin: a move out of a one-item bin needs an item back
+        ok[:, 1:, 0] &= (counts[rows, h] > 1)[:, None]
+        ok[:, 0, 1:] &= (counts[rows, b] > 1)[:, None]
+        new = np.where(ok, new, np.inf).reshape(r_count, -1)
+        best = np.argmin(new, axis=1)
+        old = obj[rows, h] + obj[rows, b]
+        gain = active & (new[rows, best] < old * (1 - 1e-9) - 1e-12)
+        tries = np.where(gain, 0, tries + 1)  # stuck: the next most opposed bin
+        x, y = np.divmod(best, k + 1)
+        mx = gain & (x > 0)
+        my = gain & (y > 0)
+        slot[rows[mx], ih[rows[mx], x[mx] - 1]] = b[mx]
+        slot[rows[my], ib[rows[my], y[my] - 1]] = h[my]
+        ra = rows[gain]
+        dev[ra, h[gain]] = new_h[ra, x[gain], y[gain]]
+        dev[ra, b[gain]] = new_b[ra, x[gain], y[gain]]
+        counts[rows[mx], h[mx]] -= 1
+        counts[rows[mx], b[mx]] += 1
+        counts[rows[my], b[my]] -= 1
+        counts[rows[my], h[my]] += 1
+    bins[:] = np.where(valid, slot, -1)
+
+
+def _dot(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Sum over the last axis of ``a * b``, column by column (the compiled twin's order)."""
+    out = a[..., 0] * b[..., 0]
+    for q in range(1, a.shape[-1]):
+        out = out + a[..., q] * b[..., q]
+    return out
 
 
 def order_by_llm(ebin, members_ok, llm, m):

@@ -3,7 +3,8 @@
 Each function here returns exactly what its numpy original returns, row by row:
 :func:`fill_sets` is :func:`.llm_sets.llm_sets_fill`, :func:`lpt_sets` is
 :func:`.llm_sets.llm_sets_lpt`, :func:`vector_lpt` is the item-by-item branch of
-:func:`.encoder_sets.vector_bins`. The numpy versions loop over microbatches or items
+:func:`.encoder_sets.vector_bins`, :func:`refine_vector_rows` the loop of
+:func:`.encoder_sets.refine_vector`. The numpy versions loop over microbatches or items
 with one array operation per step over every replica; here each replica runs its own
 loop. Float sums are sequential on both sides (the numpy code sums with ``cumsum``
 where an order matters), ties go to the first index as ``argmin``/``argmax`` and the
@@ -16,7 +17,7 @@ import numpy as np
 
 from ..compiled import jit
 
-__all__ = ["fill_sets", "lpt_sets", "vector_lpt"]
+__all__ = ["fill_sets", "lpt_sets", "vector_lpt", "refine_vector_rows"]
 
 
 @jit
@@ -196,3 +197,94 @@ def vector_lpt(wn, order, valid, m):
                 loads[best, q] += wn[r, item, q]
             counts[best] += 1.0
     return bins
+
+
+@jit
+def refine_vector_rows(slot, wn, dev, counts, m, iters):
+    """The loop of :func:`.encoder_sets.refine_vector`, row by row; updates ``slot``,
+    ``dev`` and ``counts`` in place."""
+    r_count, n, d = wn.shape
+    obj = np.empty(m)
+    opp = np.empty(m)
+    new_h = np.empty(d)
+    new_b = np.empty(d)
+    ih = np.empty(n, np.int64)
+    ib = np.empty(n, np.int64)
+    for r in range(r_count):
+        tries = 0
+        for _ in range(iters):
+            if tries >= m - 1:
+                break
+            for j in range(m):
+                acc = dev[r, j, 0] * dev[r, j, 0]
+                for q in range(1, d):
+                    acc = acc + dev[r, j, q] * dev[r, j, q]
+                obj[j] = acc
+            h = 0
+            for j in range(1, m):
+                if obj[j] > obj[h]:
+                    h = j
+            for j in range(m):
+                acc = dev[r, j, 0] * dev[r, h, 0]
+                for q in range(1, d):
+                    acc = acc + dev[r, j, q] * dev[r, h, q]
+                opp[j] = acc
+            opp[h] = np.inf
+            b = np.argsort(opp, kind="mergesort")[min(tries, m - 2)]
+            nh = 0
+            nb = 0
+            for i in range(n):
+                if slot[r, i] == h:
+                    ih[nh] = i
+                    nh += 1
+                elif slot[r, i] == b:
+                    ib[nb] = i
+                    nb += 1
+            best = np.inf
+            bx = -1
+            by = -1
+            for x in range(nh + 1):
+                for y in range(nb + 1):
+                    if x == 0 and y == 0:
+                        continue
+                    if y == 0 and counts[r, h] <= 1:
+                        continue
+                    if x == 0 and counts[r, b] <= 1:
+                        continue
+                    acc_h = 0.0
+                    acc_b = 0.0
+                    for q in range(d):
+                        xq = wn[r, ih[x - 1], q] if x > 0 else 0.0
+                        yq = wn[r, ib[y - 1], q] if y > 0 else 0.0
+                        vh = dev[r, h, q] - xq + yq
+                        vb = dev[r, b, q] + xq - yq
+                        if q == 0:
+                            acc_h = vh * vh
+                            acc_b = vb * vb
+                        else:
+                            acc_h = acc_h + vh * vh
+                            acc_b = acc_b + vb * vb
+                    v = acc_h + acc_b
+                    if v < best:
+                        best, bx, by = v, x, y
+            old = obj[h] + obj[b]
+            if not (best < old * (1 - 1e-9) - 1e-12):
+                tries += 1
+                continue
+            tries = 0
+            for q in range(d):
+                xq = wn[r, ih[bx - 1], q] if bx > 0 else 0.0
+                yq = wn[r, ib[by - 1], q] if by > 0 else 0.0
+                new_h[q] = dev[r, h, q] - xq + yq
+                new_b[q] = dev[r, b, q] + xq - yq
+            for q in range(d):
+                dev[r, h, q] = new_h[q]
+                dev[r, b, q] = new_b[q]
+            if bx > 0:
+                slot[r, ih[bx - 1]] = b
+                counts[r, h] -= 1
+                counts[r, b] += 1
+            if by > 0:
+                slot[r, ib[by - 1]] = h
+                counts[r, b] -= 1
+                counts[r, h] += 1
