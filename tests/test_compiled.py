@@ -133,3 +133,19 @@ def test_vector_refinement_compiled_equals_numpy(seed, rows, n, m, d, ones):
 
     a, b = _both(refined)
     assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("extra", [(), (1,), (4,), (2, 3)])
+def test_slot_sums_compiled_equals_numpy(extra):
+    from entrain_data.assignment.common import slot_sums
+
+    rng = np.random.default_rng(len(extra))
+    idx = rng.integers(-1, 7, (5, 40))
+    valid = rng.random((5, 40)) < 0.8
+    values = rng.lognormal(0, 2, (5, 40) + extra)
+    a, b = _both(lambda: slot_sums(idx, values, valid, 7))
+    assert a.shape == b.shape == (5, 7) + extra
+    assert np.array_equal(a, b)
+    ints = rng.integers(0, 1000, (5, 40))
+    a, b = _both(lambda: slot_sums(idx, ints, valid, 7))
+    assert np.array_equal(a, b)

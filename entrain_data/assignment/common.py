@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from .. import compiled
 from ..errors import InvalidInput
 
 __all__ = [
@@ -130,12 +131,18 @@ def slot_sums(idx: np.ndarray, values: np.ndarray, valid: np.ndarray, m: int) ->
     """[R, m, *extra] sums of ``values`` [R, n, *extra] over the members of each slot ``idx``.
 
     One ``bincount`` over flattened (replica, slot, column) keys: several times faster
-    than ``np.add.at``, which dominates the level-2 cost otherwise.
+    than ``np.add.at``, which dominates the level-2 cost otherwise; compiled, one loop
+    (both add every member in index order, so the sums are the same).
     """
     r_count = idx.shape[0]
     valid = valid & (idx >= 0)  # unplaced members (a failed candidate's -1) count nowhere
     extra = values.shape[2:]
     k = int(np.prod(extra)) if extra else 1
+    if compiled.enabled() and idx.size:
+        from .sets_kernel import slot_sums_rows  # numba is imported with it
+
+        vals = np.ascontiguousarray(values, dtype=np.float64).reshape(idx.shape + (k,))
+        return slot_sums_rows(idx, vals, valid, m).reshape((r_count, m) + extra)
     key = (np.arange(r_count)[:, None] * m + np.where(valid, idx, 0)).astype(np.int64)
     w = np.where(valid.reshape(valid.shape + (1,) * len(extra)), values, 0.0)
     flat = (key[..., None] * k + np.arange(k)).ravel() if extra else key.ravel()

@@ -133,8 +133,16 @@ def proxy_times(rp: Replicas, eidx: np.ndarray, lidx: np.ndarray, stage=None) ->
     ``stage``: the (ef, lf, lb) of :func:`_per_stage`, when the caller already has them."""
     valid, m = rp.valid, rp.m
     ef, lf, lb = stage if stage is not None else _per_stage(rp.enc_cols, rp.llm, valid, rp.frozen)
-    fwd = _loads(eidx, ef, valid, m) + _loads(lidx, lf, valid, m)
-    return _replica_times(fwd, _loads(lidx, lb, valid, m))
+    fwd, bwd = _proxy_loads(eidx, lidx, ef, lf, lb, valid, m)
+    return _replica_times(fwd, bwd)
+
+
+def _proxy_loads(eidx, lidx, ef, lf, lb, valid, m):
+    """[R, M, S] forward and backward proxy loads; the two L-set sums in one pass (each sum
+    adds the same members in the same order as two passes would)."""
+    s = lf.shape[-1]
+    both = _loads(lidx, np.concatenate([lf, lb], axis=-1), valid, m)
+    return _loads(eidx, ef, valid, m) + both[..., :s], both[..., s:]
 
 
 def _apply(eidx, lidx, g, bk, a, b, moved_b, na_e, na_l, nb_e, nb_l) -> None:
@@ -188,8 +196,7 @@ def refine_by_pipeline(
         return eidx, lidx
     eidx, lidx = eidx.copy(), lidx.copy()
     ef, lf, lb = _per_stage(enc_cols, llm, valid, rp.frozen)
-    fwd = _loads(eidx, ef, valid, m) + _loads(lidx, lf, valid, m)
-    bwd = _loads(lidx, lb, valid, m)
+    fwd, bwd = _proxy_loads(eidx, lidx, ef, lf, lb, valid, m)
     cur = _replica_times(fwd, bwd)  # [R]
     big = np.iinfo(np.int64).max // 4
     cap_v = big if cap is None else cap

@@ -4,7 +4,7 @@ Each function here returns exactly what its numpy original returns, row by row:
 :func:`fill_sets` is :func:`.llm_sets.llm_sets_fill`, :func:`lpt_sets` is
 :func:`.llm_sets.llm_sets_lpt`, :func:`vector_lpt` is the item-by-item branch of
 :func:`.encoder_sets.vector_bins`, :func:`refine_vector_rows` the loop of
-:func:`.encoder_sets.refine_vector`. The numpy versions loop over microbatches or items
+:func:`.encoder_sets.refine_vector`, :func:`slot_sums_rows` :func:`.common.slot_sums`. The numpy versions loop over microbatches or items
 with one array operation per step over every replica; here each replica runs its own
 loop. Float sums are sequential on both sides (the numpy code sums with ``cumsum``
 where an order matters), ties go to the first index as ``argmin``/``argmax`` and the
@@ -17,7 +17,7 @@ import numpy as np
 
 from ..compiled import jit
 
-__all__ = ["fill_sets", "lpt_sets", "vector_lpt", "refine_vector_rows"]
+__all__ = ["fill_sets", "lpt_sets", "vector_lpt", "refine_vector_rows", "slot_sums_rows"]
 
 
 @jit
@@ -288,3 +288,18 @@ def refine_vector_rows(slot, wn, dev, counts, m, iters):
                 slot[r, ib[by - 1]] = h
                 counts[r, b] -= 1
                 counts[r, h] += 1
+
+
+@jit
+def slot_sums_rows(idx, values, valid, m):
+    """[R, m, K] sums of ``values`` [R, n, K] over each slot's members, in member order (the
+    order ``bincount`` adds them in :func:`.common.slot_sums`)."""
+    r_count, n, k = values.shape
+    out = np.zeros((r_count, m, k))
+    for r in range(r_count):
+        for i in range(n):
+            if valid[r, i]:
+                j = idx[r, i]
+                for c in range(k):
+                    out[r, j, c] += values[r, i, c]
+    return out
