@@ -211,3 +211,35 @@ def test_frozen_encoders_are_validated_and_keep_every_invariant():
         assign(enc, llm, tok, frozen_encoders=[True, False, True], **kw)
     with pytest.raises(InvalidInput, match="frozen_encoders"):
         assign(enc, llm, tok, frozen_encoders="yes", **kw)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31 - 1))
+def test_search_never_raises_the_largest_encoder_set(seed):
+    # a time refinement: level 2's largest encoder set (in patches) is the memory peak it keeps,
+    # even where the patch cap would allow more
+    eidx, lidx, valid, has_enc, enc, llm, tok, m = _state(seed)
+    enc = np.where(valid[..., None], enc, 0.0)
+    patches = np.where((valid & has_enc)[..., None], np.rint(enc * 100).astype(np.int64), 0)
+
+    def largest(e):
+        return max(
+            patches[r, valid[r] & (e[r] == j)].sum(axis=0).max() for r in range(2) for j in range(m)
+        )
+
+    rp = Replicas(
+        members=np.where(valid, 0, -1),
+        valid=valid,
+        has_enc=has_enc,
+        enc_cols=enc,
+        enc_w=enc.sum(axis=2),
+        llm=llm,
+        tok=tok,
+        patches=patches,
+        m=m,
+        cap=None,
+        budget=None,
+        patch_cap=np.full(patches.shape[2], 10 * int(patches.sum()) + 1),
+    )
+    e2, _ = refine_by_pipeline(rp, eidx, lidx, np.random.default_rng(seed), rounds=12)
+    assert largest(e2) <= largest(eidx)

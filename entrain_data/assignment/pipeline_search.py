@@ -236,6 +236,10 @@ def refine_by_pipeline(
         from .search_kernel import search_round as step  # numba is imported with it
     topo = np.asarray(topological_order("1f1b", m, fwd.shape[2]), dtype=np.int64)
     p_cap = np.zeros(p_samp.shape[2], np.int64) if pcap is None else np.asarray(pcap, np.int64)
+    if pcap is not None and p_load.size:
+        # a time refinement: it never raises the largest encoder set level 2 built (the
+        # activation-memory peak), the cap bounds level 2 itself
+        p_cap = np.minimum(p_cap, p_load.max(axis=(0, 1)))
     state = (fwd, bwd, mod, t_load, l_count, p_load, waiting, cur)
     per_sample = (eidx, lidx, has_enc, tok.astype(np.int64), wait_tok, p_samp, ef, lf, lb)
     idle = 0
