@@ -200,7 +200,7 @@ def vector_lpt(wn, order, valid, m):
 
 
 @jit
-def refine_vector_rows(slot, wn, dev, counts, m, iters):
+def refine_vector_rows(slot, wn, dev, counts, m, iters, pair_items):
     """The loop of :func:`.encoder_sets.refine_vector`, row by row; updates ``slot``,
     ``dev`` and ``counts`` in place."""
     r_count, n, d = wn.shape
@@ -210,6 +210,9 @@ def refine_vector_rows(slot, wn, dev, counts, m, iters):
     new_b = np.empty(d)
     ih = np.empty(n, np.int64)
     ib = np.empty(n, np.int64)
+    key_h = np.empty(n)
+    key_b = np.empty(n)
+    u = np.empty(d)
     for r in range(r_count):
         tries = 0
         for _ in range(iters):
@@ -231,15 +234,32 @@ def refine_vector_rows(slot, wn, dev, counts, m, iters):
                 opp[j] = acc
             opp[h] = np.inf
             b = np.argsort(opp, kind="mergesort")[min(tries, m - 2)]
+            for q in range(d):
+                u[q] = dev[r, h, q] - dev[r, b, q]
             nh = 0
             nb = 0
             for i in range(n):
-                if slot[r, i] == h:
-                    ih[nh] = i
-                    nh += 1
-                elif slot[r, i] == b:
-                    ib[nb] = i
-                    nb += 1
+                if slot[r, i] == h or slot[r, i] == b:
+                    acc = wn[r, i, 0] * u[0]
+                    for q in range(1, d):
+                        acc = acc + wn[r, i, q] * u[q]
+                    if slot[r, i] == h:
+                        ih[nh] = i
+                        key_h[nh] = -acc
+                        nh += 1
+                    else:
+                        ib[nb] = i
+                        key_b[nb] = acc
+                        nb += 1
+            # the items whose leaving helps most first (stable: ties by index), at most pair_items
+            oh = np.argsort(key_h[:nh], kind="mergesort")
+            ob = np.argsort(key_b[:nb], kind="mergesort")
+            sh = ih[:nh][oh]
+            sb = ib[:nb][ob]
+            nh = min(nh, pair_items)
+            nb = min(nb, pair_items)
+            ih[:nh] = sh[:nh]
+            ib[:nb] = sb[:nb]
             best = np.inf
             bx = -1
             by = -1
