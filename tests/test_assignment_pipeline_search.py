@@ -57,6 +57,26 @@ def _cvs(eidx, lidx, valid, enc, llm, m):
     return np.where(mean > 0, mod.std(axis=1) / np.where(mean > 0, mean, 1), 0)
 
 
+def _replicas(
+    valid, has_enc, enc, llm, tok, m, cap=None, budget=None, patches=None, patch_cap=None
+):
+    """The search's input for the members of ``_state`` (patches zero unless given)."""
+    return Replicas(
+        members=np.where(valid, 0, -1),
+        valid=valid,
+        has_enc=has_enc,
+        enc_cols=enc,
+        enc_w=enc.sum(axis=2),
+        llm=llm,
+        tok=tok,
+        patches=np.zeros(enc.shape, np.int64) if patches is None else patches,
+        m=m,
+        cap=cap,
+        budget=budget,
+        patch_cap=patch_cap,
+    )
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**31 - 1), cap_slack=st.sampled_from([None, 1.5]))
 def test_search_keeps_invariants_never_slows_the_proxy_and_respects_cv_limits(seed, cap_slack):
@@ -87,20 +107,7 @@ def test_search_keeps_invariants_never_slows_the_proxy_and_respects_cv_limits(se
     before = proxy(eidx, lidx)
     cv0 = _cvs(eidx, lidx, valid, enc, llm, m)
     rng = np.random.default_rng(seed)
-    rp = Replicas(
-        members=np.where(valid, 0, -1),
-        valid=valid,
-        has_enc=has_enc,
-        enc_cols=enc,
-        enc_w=enc.sum(axis=2),
-        llm=llm,
-        tok=tok,
-        patches=np.zeros(enc.shape, np.int64),
-        m=m,
-        cap=cap,
-        budget=budget,
-        patch_cap=None,
-    )
+    rp = _replicas(valid, has_enc, enc, llm, tok, m, cap=cap, budget=budget)
     e2, l2 = refine_by_pipeline(rp, eidx, lidx, rng, rounds=12)
     assert (proxy(e2, l2) <= before * (1 + 1e-9)).all()
     assert ((l2 >= e2) | ~valid).all()
@@ -227,19 +234,7 @@ def test_search_never_raises_the_largest_encoder_set(seed):
             patches[r, valid[r] & (e[r] == j)].sum(axis=0).max() for r in range(2) for j in range(m)
         )
 
-    rp = Replicas(
-        members=np.where(valid, 0, -1),
-        valid=valid,
-        has_enc=has_enc,
-        enc_cols=enc,
-        enc_w=enc.sum(axis=2),
-        llm=llm,
-        tok=tok,
-        patches=patches,
-        m=m,
-        cap=None,
-        budget=None,
-        patch_cap=np.full(patches.shape[2], 10 * int(patches.sum()) + 1),
-    )
+    cap = np.full(patches.shape[2], 10 * int(patches.sum()) + 1)
+    rp = _replicas(valid, has_enc, enc, llm, tok, m, patches=patches, patch_cap=cap)
     e2, _ = refine_by_pipeline(rp, eidx, lidx, np.random.default_rng(seed), rounds=12)
     assert largest(e2) <= largest(eidx)
