@@ -34,10 +34,10 @@ this module builds the level-2 candidates, scores them and picks one per replica
 among the candidates balanced within a stated share of the best (the sum of squared
 per-module CVs), the one with the shortest proxy 1F1B iteration
 (:func:`.pipeline_search.proxy_times`), or one balanced in absolute terms (every CV
-small) where it is more than 1% faster (see :func:`_pick`). There is no batch-size threshold: every size
-builds every candidate and runs the search (vectorised over replicas; the search's
-work is bounded at any dp: with many replicas it searches the slowest ones, which set the
-iteration time, see :func:`.pipeline_search.refine_slowest`).
+small) where it is more than 1% faster (see :func:`_pick`). There is no batch-size
+threshold: every size builds every candidate and runs the search (vectorised over
+replicas; the search's work is bounded at any dp: with many replicas it searches the
+slowest ones, which set the iteration time, see :func:`.pipeline_search.refine_slowest`).
 """
 
 from __future__ import annotations
@@ -156,10 +156,11 @@ def _candidates(rp: Replicas, tolerance: float) -> list[Candidate]:
     eidx_d = order_by_llm(np.where(has_enc, eidx, -1), has_enc, rp.llm, m)
     cands.append(llm_sets_fill(rp, eidx_d, tolerance))
     # candidate B: joint sets balancing every encoder column, the LLM and tokens together
-    # (vector LPT, then moves and swaps that even every column: refine_vector). Measured over the synthetic workloads at 512/4/32, 4096/16/16 and
-    # 8192/128/16, three more candidates (the release-constrained LPT on the LLM-heaviest
-    # order and on B's encoder sets, and joint sets balancing the LLM and tokens only) won
-    # 2 of 736 replica picks: they are not built.
+    # (vector LPT, then moves and swaps that even every column: refine_vector). Measured
+    # over the synthetic workloads at 512/4/32, 4096/16/16 and 8192/128/16, three more
+    # candidates (the release-constrained LPT on the LLM-heaviest order and on B's encoder
+    # sets, and joint sets balancing the LLM and tokens only) won 2 of 736 replica picks
+    # (before refine_vector existed): they are not built.
     tokf = rp.tok[..., None].astype(np.float64)
     wv = np.concatenate([rp.enc_cols, rp.llm[..., None], tokf], axis=2)
     vb = vector_bins(wv, valid, m)
