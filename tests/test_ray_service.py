@@ -3,6 +3,8 @@ a worker actor killed mid-epoch is restarted by Ray, and every sample arrives ex
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
 
 import pytest
@@ -18,12 +20,23 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture
 def local_ray():
-    # loopback only: Ray binds its processes to the node address unless told otherwise
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+    # loopback only: Ray binds its processes to the node address unless told otherwise. Its
+    # session (logs, the object store's socket) goes to a private directory removed after the
+    # test: Ray's default /tmp/ray keeps every session's socket file. A short path: the socket's
+    # path must fit the OS's limit of ~107 bytes.
+    temp = tempfile.mkdtemp(prefix="ray-")
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        _node_ip_address="127.0.0.1",
+        _temp_dir=temp,
+    )
     try:
         yield
     finally:
         ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def _remotes(loader) -> list[dict]:
