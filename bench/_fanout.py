@@ -27,6 +27,7 @@ import io
 import json
 import multiprocessing as mp
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -336,23 +337,38 @@ def _per_rank(target: Any, args_of: Any) -> list:
 
 
 # ------------------------------------------------------------------- the previous release
+def _package_of(tree: str, root: str) -> str:
+    """``tree``'s package laid out as installed, under ``root``: ``entrain_data`` with its
+    ``workers`` and ``adapters`` inside (in the tree they sit beside it and the editable
+    install of this tree would otherwise supply them)."""
+    pkg = os.path.join(root, "entrain_data")
+    shutil.copytree(os.path.join(tree, "entrain_data"), pkg)
+    for sub in ("workers", "adapters"):
+        if os.path.isdir(os.path.join(tree, sub)) and not os.path.exists(os.path.join(pkg, sub)):
+            os.symlink(os.path.join(os.path.abspath(tree), sub), os.path.join(pkg, sub))
+    return root
+
+
 def run_previous(tree: str, index: str, plan: Any, workers: int, source: str) -> dict:
-    """This module's service run with ``entrain_data`` imported from ``tree`` (checked)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tree, str(HERE)])}
+    """This module's service run with ``entrain_data`` (workers included) from ``tree``."""
     with tempfile.TemporaryDirectory(prefix="entrain-fanout-prev-") as d:
+        path = _package_of(tree, os.path.join(d, "pkg"))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([path, str(HERE)])}
         plan_path = os.path.join(d, "plan.json")
         Path(plan_path).write_text(plan.to_json())
         code = (
             "import json, sys, entrain_data, _fanout\n"
+            "import entrain_data.workers.service as service\n"
             "from entrain_data.plan import ParallelPlan\n"
-            f"assert entrain_data.__file__.startswith({tree!r}), entrain_data.__file__\n"
+            f"for m in (entrain_data, service):\n"
+            f"    assert m.__file__.startswith({path!r}), m.__file__\n"
             f"plan = ParallelPlan.load({plan_path!r})\n"
             f"r = _fanout.run_service({index!r}, plan, {workers}, {source!r}, None)\n"
-            "r['imported_from'] = entrain_data.__file__\n"
+            f"r['imported_from'] = {tree!r}\n"
             "print('RESULT ' + json.dumps(r))\n"
         )
         proc = subprocess.run(
-            [sys.executable, "-c", code], cwd=tree, env=env, capture_output=True, text=True
+            [sys.executable, "-c", code], cwd=d, env=env, capture_output=True, text=True
         )
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     if proc.returncode != 0 or not line:

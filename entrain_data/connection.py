@@ -33,7 +33,7 @@ from .errors import (
     error_fields,
     error_from_fields,
 )
-from .shared_batch import map_shared
+from .shared_batch import SegmentReader
 
 __all__ = ["Connection", "tensors_of"]
 
@@ -106,7 +106,7 @@ class Connection:
         self.batches: dict[tuple[int, int, int], protocol.Message] = {}
         self.ends: set[int] = set()
         self.low = position  # batches before this are stale (re-sent after a reconnect)
-        self.shm_dir: str | None = None  # the service's shared-memory directory
+        self.segments = SegmentReader(None)  # workers' segments in the service's directory
         hello = {
             "rank": rank,
             "position": list(position),
@@ -127,7 +127,7 @@ class Connection:
         if got:  # resumed under a new plan, the service starts the rank at its iteration's start
             position = (int(got[0]), int(got[1]), int(got[2]))
             self.low = position  # and the first credit says so: that microbatch is wanted
-        self.shm_dir = self.info.get("shm_dir")
+        self.segments = SegmentReader(self.info.get("shm_dir"))
         self.direct = bool(self.info.get("direct")) and self.data is not None
         if not self.direct:
             self._close_data_socket()
@@ -202,15 +202,13 @@ class Connection:
                 return None
         sock = next(s for s in (self.sock, self.data, self.tcp) if s is not None and s in events)
         frames = sock.recv_multipart(copy=False)
-        if len(frames) == 1 and sock is self.data:  # maybe one copy shared with peers
+        if len(frames) == 1 and sock is self.data:  # maybe in a worker's shared segment
             head = protocol.decode_header(frames[0])
             if head.get("shm") is not None:
-                if self._stale(head):  # its file may be gone already: never open it
+                if self._stale(head):  # a duplicate: free its slot unread
+                    self.segments.release(head["shm"])
                     return protocol.Message("batch", head)
-                frames = [
-                    frames[0],
-                    *map_shared(head["shm"], head.get("tensors", []), self.shm_dir),
-                ]
+                frames = [frames[0], *self.segments.views(head["shm"], head.get("tensors", []))]
         msg = protocol.decode(frames)
         if msg.kind == "error":  # typed as the service raised it (SampleError: source, key)
             raise error_from_fields(msg.header, prefix=f"loader service at {self.endpoint}: ")

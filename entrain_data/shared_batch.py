@@ -1,31 +1,63 @@
-"""One copy of a microbatch for every tensor-parallel peer on a host: a file in shared memory.
+"""Same-host microbatches through shared memory: reusable slots a worker writes and ranks map.
 
-Tensor-parallel ranks of one replica (and of one pipeline stage) read the same
-microbatch. Sending it over ipc to each costs one transfer per peer; instead the
-worker writes the tensors once into a file under the service's directory in
-``/dev/shm`` and sends each peer only the ``batch`` header naming it. Each peer
-maps the file read-only; its tensors view the mapping, so the bytes exist once in
-memory however many peers read them. The coordinator unlinks the file once every
-peer has moved past the microbatch (a mapping outlives the unlink) and removes the
-directory when it stops.
+Over an ipc socket a microbatch is copied twice (into the kernel, out of it) and
+lands in freshly allocated pages the receiver must fault in and the kernel must
+clear: for 12 MB images that is most of a rank's CPU. Instead each worker keeps
+a pool of files in the service's directory in ``/dev/shm`` (its *segments*) and
+writes a microbatch into a free one, once, however many ranks read it
+(tensor-parallel peers, later pipeline stages); each rank gets only the
+``batch`` header naming the segment. A rank maps a segment once and keeps the
+mapping, its tensors view it: no copy on the rank and, once the pages are
+resident, no page fault on either side.
 
-File layout: the tensors' bytes in the header's order, each starting at a multiple
-of :data:`ALIGN`; the header's ``shm`` field holds ``{"path", "offsets"}``.
+A segment is free again when every rank it went to has dropped the tensors that
+view it: the first page of the file holds one byte per reader, set to 1 by the
+writer before it sends, cleared by that reader's finalizer when the last tensor
+of that microbatch is garbage. Each byte has one writer at a time, so no atomic
+is needed. A rank that dies holding a slot leaves it taken; the pool is bounded
+(:data:`POOL_BYTES`, and a quarter of ``/dev/shm``), and when no slot is free
+and the pool is full the worker sends the bytes over the socket as before. The
+coordinator removes a dead worker's segments and, when it stops, the directory;
+mappings outlive both.
+
+Segment layout: the flag page (:data:`HEAD` bytes), then the tensors' bytes in
+the header's order, each at a multiple of :data:`ALIGN`. The header's ``shm``
+field is ``{"path", "offsets", "reader"}``: offsets are from the file's start,
+``reader`` is this rank's flag byte.
 """
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import mmap
 import os
 import tempfile
+import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from .errors import ProtocolError
 
-__all__ = ["ALIGN", "make_shared_dir", "write_shared", "map_shared"]
+__all__ = [
+    "ALIGN",
+    "HEAD",
+    "POOL_BYTES",
+    "SegmentPool",
+    "SegmentReader",
+    "make_shared_dir",
+    "remove_segments",
+]
 
 ALIGN = 64
+HEAD = mmap.PAGESIZE  # the flag page: byte i belongs to the slot's reader i
+POOL_BYTES = 1 << 30  # per worker; a quarter of /dev/shm at most
+_GRAIN = 1 << 20  # segment capacities are whole MiB, with a quarter of headroom
+_MAX_MAPS = 256  # segments a rank keeps mapped (the oldest are dropped, not unmapped)
 
 
 def make_shared_dir() -> str | None:
@@ -36,62 +68,186 @@ def make_shared_dir() -> str | None:
     return tempfile.mkdtemp(prefix="entrain-shm-", dir=root)
 
 
-def write_shared(path: str, buffers: Sequence[Any]) -> list[int]:
-    """Write ``buffers`` into a new file at ``path``; returns each one's offset."""
-    offsets: list[int] = []
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        pos = 0
-        for buf in buffers:
-            pad = -pos % ALIGN
-            if pad:
-                os.write(fd, bytes(pad))
-                pos += pad
-            offsets.append(pos)
-            view = memoryview(buf).cast("B")
+def remove_segments(root: str, owner: str) -> None:
+    """Unlink every segment of a worker (its ranks' mappings stay valid)."""
+    for path in glob.glob(os.path.join(glob.escape(root), f"{glob.escape(owner)}-*.seg")):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def _layout(buffers: Sequence[Any]) -> tuple[list[memoryview], list[int], int]:
+    views = [memoryview(b).cast("B") for b in buffers]
+    offsets, pos = [], HEAD
+    for v in views:
+        pos += -pos % ALIGN
+        offsets.append(pos)
+        pos += v.nbytes
+    return views, offsets, pos
+
+
+@dataclass
+class _Segment:
+    path: str
+    fd: int
+    size: int  # the file's bytes, flag page included
+    readers: int = 0  # flag bytes its last microbatch set
+    to: Any = None  # the ranks its last microbatch went to (they have it mapped)
+
+    def free(self) -> bool:
+        return self.readers == 0 or not any(os.pread(self.fd, self.readers, 0))
+
+
+class SegmentPool:
+    """A worker's segments in ``root``; :meth:`write` puts one microbatch in a free one."""
+
+    def __init__(self, root: str, owner: str, budget: int = POOL_BYTES) -> None:
+        self.root, self.owner = root, owner
+        st = os.statvfs(root)
+        self.budget = min(budget, st.f_blocks * st.f_frsize // 4)
+        self.segments: list[_Segment] = []  # by size, smallest first
+        self.used = 0
+        self._made = 0
+
+    def write(self, buffers: Sequence[Any], to: Sequence[Any]) -> dict[str, Any] | None:
+        """Write ``buffers`` for the ranks ``to`` (any hashable names, one flag byte each); the
+        header's ``shm`` field (less ``reader``), or None when no segment is free and the pool
+        is full (send them over the socket).
+
+        A free segment that last went to the same ranks is taken first: they have its pages
+        mapped already, so reading it costs them no page fault.
+        """
+        readers, to = len(to), tuple(to)
+        if not 0 < readers <= HEAD:
+            return None
+        views, offsets, end = _layout(buffers)
+        fits = [s for s in self.segments if s.size >= end]
+        seg = next((s for s in fits if s.to == to and s.free()), None)
+        seg = seg or next((s for s in fits if s.free()), None) or self._grow(end)
+        if seg is None:
+            return None
+        os.pwrite(seg.fd, b"\x01" * readers, 0)
+        seg.readers, seg.to = readers, to
+        for view, off in zip(views, offsets):
             while view:
-                n = os.write(fd, view)
-                view, pos = view[n:], pos + n
-    except BaseException:
-        os.close(fd)
-        os.unlink(path)
-        raise
-    os.close(fd)
-    return offsets
+                n = os.pwrite(seg.fd, view, off)
+                view, off = view[n:], off + n
+        return {"path": seg.path, "offsets": offsets}
+
+    def release(self, slot: dict[str, Any], reader: int) -> None:
+        """Give back a reader's claim the worker could not send it."""
+        seg = next((s for s in self.segments if s.path == slot["path"]), None)
+        if seg is not None:
+            os.pwrite(seg.fd, b"\x00", reader)
+
+    def _grow(self, end: int) -> _Segment | None:
+        size = HEAD + -(-(end - HEAD) * 5 // 4 // _GRAIN) * _GRAIN
+        if self.used + size > self.budget:
+            return None
+        path = os.path.join(self.root, f"{self.owner}-{self._made}.seg")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError:
+            return None  # the directory is gone (the service is stopping)
+        try:
+            os.posix_fallocate(fd, 0, size)  # ENOSPC now, never SIGBUS in a reader
+        except OSError:
+            os.close(fd)
+            os.unlink(path)
+            return None
+        self._made += 1
+        self.used += size
+        seg = _Segment(path, fd, size)
+        self.segments.append(seg)
+        self.segments.sort(key=lambda s: s.size)
+        return seg
+
+    def close(self) -> None:
+        for seg in self.segments:
+            os.close(seg.fd)
+            with contextlib.suppress(OSError):
+                os.unlink(seg.path)
+        self.segments.clear()
 
 
-def map_shared(shm: Any, specs: Sequence[Any], root: str | None) -> list[memoryview]:
-    """Views of a shared microbatch's tensors, for ``protocol.decode`` to check and wrap.
+def _clear(flags: mmap.mmap, reader: int) -> None:
+    with contextlib.suppress(ValueError, IndexError):  # unmapped already: nothing to free
+        flags[reader] = 0
 
-    ``shm`` is the header's field, ``specs`` its ``tensors`` list; ``root`` the
-    service's shared directory (from the welcome): a path outside it is refused.
-    """
-    if root is None or not isinstance(shm, dict):
-        raise ProtocolError("a shared microbatch, but the service named no shared directory")
-    path, offsets = shm.get("path"), shm.get("offsets")
-    if not isinstance(path, str) or not isinstance(offsets, list) or len(offsets) != len(specs):
-        raise ProtocolError(f"malformed shared microbatch field {shm!r}")
-    real = os.path.realpath(path)
-    if os.path.dirname(real) != os.path.realpath(root):
-        raise ProtocolError(f"shared microbatch {path!r} is outside {root!r}")
-    try:
-        fd = os.open(real, os.O_RDONLY)
-    except OSError as exc:
-        raise ProtocolError(f"shared microbatch {path!r}: {exc.strerror}") from None
-    try:
-        size = os.fstat(fd).st_size
-        mm = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
-    finally:
-        os.close(fd)
-    whole = memoryview(mm) if mm is not None else memoryview(b"")
-    views = []
-    for spec, off in zip(specs, offsets):
-        nbytes = spec[3] if isinstance(spec, list) and len(spec) == 4 else None
-        if not isinstance(off, int) or not isinstance(nbytes, int) or off < 0:
-            raise ProtocolError(f"shared microbatch {path!r}: bad offset {off!r}")
-        if off + nbytes > size:
-            raise ProtocolError(
-                f"shared microbatch {path!r}: {size} bytes, tensor ends at {off + nbytes}"
-            )
-        views.append(whole[off : off + nbytes])
-    return views
+
+class SegmentReader:
+    """A rank's mappings of workers' segments under ``root`` (the service's directory)."""
+
+    def __init__(self, root: str | None) -> None:
+        self.root = os.path.realpath(root) if root else None
+        self.maps: OrderedDict[str, tuple[mmap.mmap, mmap.mmap]] = OrderedDict()
+
+    def _check(self, shm: Any) -> tuple[str, list[Any], int]:
+        if self.root is None or not isinstance(shm, dict):
+            raise ProtocolError("a shared microbatch, but the service named no shared directory")
+        path, offsets, reader = shm.get("path"), shm.get("offsets"), shm.get("reader")
+        if (
+            not isinstance(path, str)
+            or not isinstance(offsets, list)
+            or not isinstance(reader, int)
+            or not 0 <= reader < HEAD
+        ):
+            raise ProtocolError(f"malformed shared microbatch field {shm!r:.200}")
+        real = os.path.realpath(path)
+        if os.path.dirname(real) != self.root:
+            raise ProtocolError(f"shared microbatch {path!r} is outside {self.root!r}")
+        return real, offsets, reader
+
+    def _map(self, path: str) -> tuple[mmap.mmap, mmap.mmap]:
+        got = self.maps.pop(path, None)
+        if got is None:
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except OSError as exc:
+                raise ProtocolError(f"shared microbatch {path!r}: {exc.strerror}") from None
+            try:
+                size = os.fstat(fd).st_size
+                if size < HEAD:
+                    raise ProtocolError(f"shared microbatch {path!r}: {size} bytes, no flag page")
+                # populated at once: one call instead of a fault per page
+                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                got = (mmap.mmap(fd, HEAD), mmap.mmap(fd, size, flags, mmap.PROT_READ))
+            finally:
+                os.close(fd)
+        self.maps[path] = got  # most recently used last
+        while len(self.maps) > _MAX_MAPS:
+            self.maps.popitem(last=False)  # its tensors keep their mapping alive
+        return got
+
+    def release(self, shm: Any) -> None:
+        """Free a slot without reading it (a duplicate the rank already holds)."""
+        path, _, reader = self._check(shm)
+        _clear(self._map(path)[0], reader)
+
+    def views(self, shm: Any, specs: Sequence[Any]) -> list[memoryview]:
+        """Views of a microbatch's tensors, for ``protocol.decode`` to check and wrap; the
+        slot is freed when the last view (and every tensor made from one) is gone."""
+        path, offsets, reader = self._check(shm)
+        if len(offsets) != len(specs):
+            raise ProtocolError(f"shared microbatch {path!r}: {len(offsets)} offsets")
+        flags, data = self._map(path)
+        spans = []
+        for spec, off in zip(specs, offsets):
+            nbytes = spec[3] if isinstance(spec, list) and len(spec) == 4 else None
+            if not isinstance(off, int) or not isinstance(nbytes, int) or off < HEAD:
+                _clear(flags, reader)
+                raise ProtocolError(f"shared microbatch {path!r}: bad offset {off!r}")
+            if off + nbytes > len(data):
+                _clear(flags, reader)
+                raise ProtocolError(
+                    f"shared microbatch {path!r}: {len(data)} bytes, tensor ends at {off + nbytes}"
+                )
+            spans.append((off, nbytes))
+        start = min((o for o, _ in spans), default=HEAD)
+        count = max((o + n for o, n in spans), default=start) - start
+        if count == 0:
+            _clear(flags, reader)
+            return [memoryview(b"") for _ in spans]
+        holder = np.frombuffer(data, np.uint8, count, start)
+        weakref.finalize(holder, _clear, flags, reader)
+        whole = memoryview(holder)
+        return [whole[o - start : o - start + n] for o, n in spans]

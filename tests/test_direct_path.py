@@ -185,13 +185,14 @@ def test_tensor_parallel_peers_share_one_copy_in_shared_memory(tmp_path, dataset
             assert x.llm_keys == y.llm_keys and x["pixel_values"].equal(y["pixel_values"])
         stats = settled_stats(loaders[0], len(read_index(dataset).keys))
         got = sum(t.numel() * t.element_size() for mb in a + b for t in mb.tensors.values())
-        # over ipc only what one peer was sent alone (before the other connected): the rest
-        # went to both through one shared file, headers only on the wire
-        assert stats["bytes_served"] < 0.25 * got
+        # written into shared memory once for both peers (a few were sent to one peer
+        # alone, before the other connected), headers only on the wire
+        assert stats["bytes_served"] == got
+        assert 0.5 * got <= stats["bytes_shared_memory"] < 0.75 * got
         assert sum(len(mb.llm_keys) for mb in a) == len(read_index(dataset).keys)
         close_all(loaders)
         assert svc.wait(15) == 0
-        assert a[0]["pixel_values"].sum() >= 0  # still readable after its file was unlinked
+        assert a[0]["pixel_values"].sum() >= 0  # still readable after its segment was unlinked
     finally:
         svc.close()
     assert not os.path.exists(shm_dir)  # the service removed its shared directory

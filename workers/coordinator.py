@@ -158,8 +158,8 @@ class Coordinator:
                     why = "address already in use" if exc.errno == zmq.EADDRINUSE else exc.strerror
                     raise InvalidInput(f"cannot serve on {ep}: {why}") from None
             self.ahead = AssignAhead(self.scheduler)
-            if self.plan.tp * self.plan.pp > 1:  # some replica has peers that read one copy
-                self.production.open_shared()
+            self.production.open_shared()  # this host's ranks read workers' segments
+            pool.shared_dir = self.production.shared_dir
             pool.start()
             self.state = State.SERVING
             log.info("serving %s with %d workers", self.cfg.endpoint, self.cfg.workers)
@@ -440,8 +440,7 @@ class Coordinator:
                 return
             payload = (list(frames[2:]), len(batch.header.get("llm_keys", [])))
         reached = {int(x) for x in h.get("reached") or []}
-        files = h.get("shared_files") or []
-        flight = self.production.landed(tid, self.ranks, reached, payload, files)
+        flight = self.production.landed(tid, self.ranks, reached, payload)
         if flight is None:
             return
         self.counters.tasks_done += 1
@@ -449,6 +448,7 @@ class Coordinator:
         self.counters.microbatches += len(reached)
         self.counters.samples += samples * len(reached)
         self.counters.bytes += int(h.get("sent_bytes", 0))
+        self.counters.shared += int(h.get("shared_bytes", 0))
         skipped = h.get("skipped") or []
         if skipped:
             epoch, it, _ = self.shape.locate(flight.key[1])

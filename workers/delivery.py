@@ -5,11 +5,11 @@ pipeline stage reads the encoder inputs. The first pipeline stage (or any stage
 holding an encoder) gets the whole microbatch; a stage that holds only LLM layers
 gets it without the encoder feature tensors (pixels, video pixels, audio
 features), which are nearly all of its bytes and which that stage never reads.
-The frames of each variant are encoded once and sent zero-copy to every rank
-that takes it; where several ranks take the same variant (tensor-parallel peers)
-and the service has a shared-memory directory, the tensors are written once into
-a file there and each peer gets only the header naming it
-(:mod:`entrain_data.shared_batch`).
+The frames of each variant are encoded once. Ranks on this host (ipc) get it
+through the worker's shared-memory segments when the service has a directory
+for them: written once for all of them, each rank sent only the header naming
+the segment (:mod:`entrain_data.shared_batch`); with no free segment, and for
+ranks on other hosts (tcp), the bytes go zero-copy over the socket.
 
 One PUSH socket per destination, kept while it is in use (a bounded cache: ranks
 that reconnect get new sockets). A send that cannot be queued at once (the rank
@@ -27,7 +27,7 @@ from typing import Any
 import zmq
 
 from entrain_data import protocol
-from entrain_data.shared_batch import write_shared
+from entrain_data.shared_batch import SegmentPool
 
 __all__ = ["FEATURE_TENSORS", "Deliverer"]
 
@@ -43,9 +43,23 @@ _SNDHWM = 64  # messages queued per rank; a rank's window is far smaller
 class Deliverer:
     """The worker's sockets to ranks; :meth:`send` returns the ranks reached and bytes sent."""
 
-    def __init__(self, ctx: zmq.Context) -> None:
-        self.ctx = ctx
+    def __init__(self, ctx: zmq.Context, owner: str = "w") -> None:
+        self.ctx, self.owner = ctx, owner
         self.socks: OrderedDict[str, zmq.Socket] = OrderedDict()
+        self.pool: SegmentPool | None = None
+
+    def _pool(self, shared: str | None) -> SegmentPool | None:
+        if shared is None:
+            return None
+        if self.pool is None or self.pool.root != shared:
+            if self.pool is not None:
+                self.pool.close()
+            try:
+                self.pool = SegmentPool(shared, self.owner)
+            except OSError as exc:  # the directory is gone: the socket still works
+                log.warning("no shared memory at %s: %s", shared, exc)
+                return None
+        return self.pool
 
     def _sock(self, endpoint: str, server_key: str | None = None) -> zmq.Socket:
         sock = self.socks.pop(endpoint, None)
@@ -71,39 +85,45 @@ class Deliverer:
         tensors: dict[str, Any],
         *,
         shared: str | None = None,
-    ) -> tuple[list[int], int, list[str]]:
+    ) -> tuple[list[int], int, int]:
         """Send the ``batch`` message to every ``[rank, endpoint, features(, curve key)]``.
 
-        ``shared``: a file path prefix in shared memory, used for a variant two or more
-        ranks take. Returns the ranks reached, the bytes sent over ipc and the files written.
+        ``shared``: the service's shared-memory directory, for ranks on this host.
+        Returns the ranks reached, the bytes they received (each its own) and the bytes
+        written into shared memory (once for all that read them).
         """
-        groups: dict[bool, list[Any]] = {}
-        for dest in dests:
-            groups.setdefault(bool(dest[2]), []).append(dest)
+        groups: dict[tuple[bool, bool], list[Any]] = {}
+        for dest in dests:  # by variant, and by whether the rank is on this host
+            groups.setdefault((bool(dest[2]), len(dest) > 3), []).append(dest)
         reached: list[int] = []
-        sent = 0
-        files: list[str] = []
-        for features, group in groups.items():
+        sent = written = 0
+        for (features, remote), group in groups.items():
             kept = tensors if features else _without_features(tensors)
             frames = protocol.encode("batch", fields, kept)
-            if shared is not None and len(group) > 1:
-                path = f"{shared}-{int(features)}.mb"
-                offsets = write_shared(path, frames[1:])
-                files.append(path)
-                shm = {"path": path, "offsets": offsets}  # the header keeps the tensors' specs
-                frames = protocol.encode("batch", {**fields, "shm": shm}, kept)[:1]
-            for rank, endpoint, _, *key in group:
+            pool = None if remote else self._pool(shared)
+            slot = pool.write(frames[1:], [d[1] for d in group]) if pool is not None else None
+            size = sum(len(f) for f in frames[1:])  # uint8 views: len is bytes
+            written += size if slot is not None else 0
+            for reader, (rank, endpoint, _, *key) in enumerate(group):
+                if slot is not None:
+                    shm = {**slot, "reader": reader}
+                    frames = protocol.encode("batch", {**fields, "shm": shm}, kept)[:1]
                 try:
                     sock = self._sock(endpoint, key[0] if key else None)
                     sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
                 except zmq.ZMQError as exc:  # Again (queue full) or a bad endpoint
                     log.warning("rank %s at %s not reached: %s", rank, endpoint, exc)
+                    if slot is not None:
+                        pool.release(slot, reader)
                     continue
                 reached.append(int(rank))
-                sent += sum(len(f) for f in frames[1:])  # uint8 views: len is bytes
-        return reached, sent, files
+                sent += size
+        return reached, sent, written
 
     def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
         for sock in self.socks.values():
             sock.close()  # linger: what was queued still leaves
         self.socks.clear()

@@ -25,6 +25,7 @@ import zmq
 
 from entrain_data import protocol
 from entrain_data.errors import EntrainError, WorkerDied
+from entrain_data.shared_batch import remove_segments
 
 from .sample_source import SampleSource
 from .worker import run_worker
@@ -80,6 +81,7 @@ class WorkerPool:
         self._start_failures: dict[int, int] = {}
         self.remote_timeout = 30.0  # seconds without a word before a remote worker is dead
         self._source_id: str | None = None  # the source's identity, computed once
+        self.shared_dir: str | None = None  # where workers keep segments for this host's ranks
 
     def _spawn(self, index: int, generation: int) -> _Slot:
         p = self.ctx.Process(
@@ -207,6 +209,8 @@ class WorkerPool:
                 len(s.outstanding),
             )
             lost.extend(sorted(s.outstanding))
+            if self.shared_dir is not None:  # its segments: ranks that map one keep it
+                remove_segments(self.shared_dir, s.ident.decode())
             self.restarts += 1
             self.slots[i] = self._spawn(s.index, s.generation + 1)
         return lost

@@ -25,12 +25,11 @@ since reconnected is simply rebuilt.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,21 +150,11 @@ class Production:
         self.queue: deque[Key] = deque()
         self.in_flight: dict[int, Flight] = {}
         self.wanted_flight: dict[Key, int] = {}  # key -> task bringing its payload back
-        self.shared_dir: str | None = None  # shared memory for microbatches peers read together
-        self.shared: dict[str, Flight] = {}  # file -> the flight whose peers map it
+        self.shared_dir: str | None = None  # workers' segments for ranks on this host
 
     def open_shared(self) -> None:
-        """Give tensor-parallel (and later-stage) peers one shared copy from now on."""
+        """Let workers hand this host's ranks microbatches in shared memory from now on."""
         self.shared_dir = make_shared_dir()
-
-    def _unlink_passed(self, by_rank: dict[int, RankState]) -> None:
-        """Unlink shared files every peer has moved past (their mappings stay valid)."""
-        for path, flight in list(self.shared.items()):
-            live = [by_rank.get(rank) for rank, _ in flight.dests]
-            if all(r is None or r.next_pos > flight.key[1] for r in live):
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-                del self.shared[path]
 
     def close(self) -> None:
         if self.shared_dir is not None:
@@ -191,8 +180,6 @@ class Production:
 
     def plan(self, ranks: list[RankState]) -> None:
         """Drop what left every window; queue what some window needs and nothing brings."""
-        if self.shared:
-            self._unlink_passed({r.rank: r for r in ranks})
         hop: set[Key] = set()
         direct: set[Key] = set()
         for r in ranks:
@@ -287,15 +274,8 @@ class Production:
         by_rank: dict[int, RankState],
         reached: set[int],
         payload: tuple[list[Any], int] | None,
-        files: Sequence[str] = (),
     ) -> Flight | None:
-        """A task's result: the ranks it reached, its payload if it brought one back, and the
-        shared files it wrote (unlinked once its peers passed them)."""
-        live = self.in_flight.get(tid)
-        if live is not None and self.shared_dir is not None:
-            for path in files:
-                if os.path.dirname(str(path)) == self.shared_dir:
-                    self.shared[str(path)] = live
+        """A task's result: the ranks it reached and its payload if it brought one back."""
         flight = self._settle(tid, by_rank, reached)
         if flight is not None and payload is not None:
             self.ready[flight.key] = payload

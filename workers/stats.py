@@ -18,6 +18,7 @@ class Counters:
     samples: int = 0
     bytes: int = 0
     relayed: int = 0  # payload bytes that passed through the coordinator (hop route)
+    shared: int = 0  # bytes workers wrote into shared memory, once for all ranks reading them
     tasks_done: int = 0
     tasks_reissued: int = 0
     rejected_messages: int = 0
@@ -34,6 +35,7 @@ def service_stats(coord: Any) -> dict[str, Any]:
         "microbatches_served": c.microbatches,
         "bytes_served": c.bytes,
         "bytes_relayed": c.relayed,
+        "bytes_shared_memory": c.shared,
         "samples_served": c.samples,
         "tasks_done": c.tasks_done,
         "tasks_reissued": c.tasks_reissued,

@@ -59,7 +59,7 @@ def run_worker(
     sock.setsockopt(zmq.LINGER, 1000)
     sock.setsockopt(zmq.SNDTIMEO, 1000)
     sock.connect(endpoint)
-    deliverer = Deliverer(ctx)
+    deliverer = Deliverer(ctx, owner=f"w{index}.{generation}")  # names its shared segments
     try:
         _serve_tasks(
             sock, source, f"worker {index}", _parent_gone_check(), heartbeat=False, out=deliverer
@@ -202,17 +202,17 @@ def _run_task(packer: Packer, task: dict[str, Any], out: Deliverer | None) -> li
         fields["meta"] = {**packed.meta, ENCODER_CALLS_KEY: task["encoder_calls"]}
     dests = task.get("deliver") or []
     reached: list[int] = []
-    sent, files = 0, []
+    sent = shared_bytes = 0
     if out is not None and dests:
         shared = task.get("shared")
-        prefix = f"{shared}/t{ident['task']}" if isinstance(shared, str) else None
-        reached, sent, files = out.send(dests, fields, packed.tensors, shared=prefix)
+        shared = shared if isinstance(shared, str) else None
+        reached, sent, shared_bytes = out.send(dests, fields, packed.tensors, shared=shared)
     summary = {
         **ident,
         "skipped": packed.skipped,
         "reached": reached,
         "sent_bytes": sent,
-        "shared_files": files,
+        "shared_bytes": shared_bytes,
         "samples": len(packed.llm_keys),
         "nbytes": int(sum(v.nbytes for v in packed.tensors.values())),
     }
