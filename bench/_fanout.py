@@ -151,12 +151,13 @@ def _touch(tensors: dict[str, Any]) -> int:
     return total
 
 
-def _rank(endpoint: str, rank: int, options: dict[str, Any], out: Any) -> None:
+def _rank(endpoint: str, rank: int, options: dict[str, Any], start: Any, out: Any) -> None:
     from entrain_data.client import EntrainLoader
 
     loader = EntrainLoader(endpoint, rank, prefetch=4, timeout=600, **options)
     it = iter(loader)
-    first = next(it)  # start-up (spawn, imports, first assignment) is not counted
+    first = next(it)  # start-up (spawn, imports, first assignment) is not counted,
+    start.wait(600)  # nor the other ranks' (their imports would share the cores with it)
     t0 = time.perf_counter()
     images = nbytes = pixels = 0
     for mb in it:
@@ -301,7 +302,9 @@ class _RankMicrobatches:
         return out
 
 
-def _dl_rank(index: str, plan_json: str, rank: int, source: str, workers: int, out: Any) -> None:
+def _dl_rank(
+    index: str, plan_json: str, rank: int, source: str, workers: int, start: Any, out: Any
+) -> None:
     import torch
 
     ds = _RankMicrobatches(index, plan_json, rank, source)
@@ -310,6 +313,7 @@ def _dl_rank(index: str, plan_json: str, rank: int, source: str, workers: int, o
     )
     it = iter(dl)
     next(it)
+    start.wait(600)
     t0 = time.perf_counter()
     images = nbytes = pixels = 0
     for batch in it:
@@ -324,10 +328,12 @@ def run_dataloader(index: str, plan: Any, workers: int, source: str) -> dict:
 
 
 def _per_rank(target: Any, args_of: Any) -> list:
-    """One spawned process per rank running ``target(*args_of(rank), queue)``; their reports."""
+    """One spawned process per rank running ``target(*args_of(rank), start, queue)``; their
+    reports. Each starts its clock once all have their first microbatch (``start``)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(*args_of(r), out)) for r in range(RANKS)]
+    start = ctx.Barrier(RANKS)
+    procs = [ctx.Process(target=target, args=(*args_of(r), start, out)) for r in range(RANKS)]
     for p in procs:
         p.start()
     res = [out.get(timeout=900) for _ in procs]

@@ -127,11 +127,16 @@ class Connection:
         if got:  # resumed under a new plan, the service starts the rank at its iteration's start
             position = (int(got[0]), int(got[1]), int(got[2]))
             self.low = position  # and the first credit says so: that microbatch is wanted
-        self.segments = SegmentReader(self.info.get("shm_dir"))
+        shm_dir = self.info.get("shm_dir")
+        if isinstance(shm_dir, str) and not os.access(shm_dir, os.R_OK | os.W_OK | os.X_OK):
+            shm_dir = None  # not the service's /dev/shm (another container): say so below
+        self.segments = SegmentReader(shm_dir)
         self.direct = bool(self.info.get("direct")) and self.data is not None
         if not self.direct:
             self._close_data_socket()
         first: dict[str, Any] = {"n": prefetch, "next": list(position)}
+        if self.info.get("shm_dir") and self.segments.root is None:
+            first["shm"] = False
         if self.direct and self.info.get("remote_host"):  # workers on other hosts reach it too
             first["tcp"] = self._open_tcp_socket(str(self.info["remote_host"]))
         self._send("credit", first)

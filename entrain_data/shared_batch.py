@@ -88,13 +88,16 @@ def _layout(buffers: Sequence[Any]) -> tuple[list[memoryview], list[int], int]:
 @dataclass
 class _Segment:
     path: str
-    fd: int
-    size: int  # the file's bytes, flag page included
+    mm: mmap.mmap  # the whole file, mapped once: writes are plain copies, no page lookups
     readers: int = 0  # flag bytes its last microbatch set
     to: Any = None  # the ranks its last microbatch went to (they have it mapped)
 
+    @property
+    def size(self) -> int:  # the file's bytes, flag page included
+        return len(self.mm)
+
     def free(self) -> bool:
-        return self.readers == 0 or not any(os.pread(self.fd, self.readers, 0))
+        return not any(self.mm[: self.readers])
 
 
 class SegmentPool:
@@ -125,19 +128,17 @@ class SegmentPool:
         seg = seg or next((s for s in fits if s.free()), None) or self._grow(end)
         if seg is None:
             return None
-        os.pwrite(seg.fd, b"\x01" * readers, 0)
+        seg.mm[:readers] = b"\x01" * readers
         seg.readers, seg.to = readers, to
         for view, off in zip(views, offsets):
-            while view:
-                n = os.pwrite(seg.fd, view, off)
-                view, off = view[n:], off + n
+            seg.mm[off : off + view.nbytes] = view
         return {"path": seg.path, "offsets": offsets}
 
     def release(self, slot: dict[str, Any], reader: int) -> None:
         """Give back a reader's claim the worker could not send it."""
         seg = next((s for s in self.segments if s.path == slot["path"]), None)
         if seg is not None:
-            os.pwrite(seg.fd, b"\x00", reader)
+            seg.mm[reader] = 0
 
     def _grow(self, end: int) -> _Segment | None:
         size = HEAD + -(-(end - HEAD) * 5 // 4 // _GRAIN) * _GRAIN
@@ -149,21 +150,23 @@ class SegmentPool:
         except OSError:
             return None  # the directory is gone (the service is stopping)
         try:
-            os.posix_fallocate(fd, 0, size)  # ENOSPC now, never SIGBUS in a reader
+            os.posix_fallocate(fd, 0, size)  # ENOSPC now, never SIGBUS on a write
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         except OSError:
-            os.close(fd)
             os.unlink(path)
             return None
+        finally:
+            os.close(fd)
         self._made += 1
         self.used += size
-        seg = _Segment(path, fd, size)
+        seg = _Segment(path, mm)
         self.segments.append(seg)
         self.segments.sort(key=lambda s: s.size)
         return seg
 
     def close(self) -> None:
         for seg in self.segments:
-            os.close(seg.fd)
+            seg.mm.close()
             with contextlib.suppress(OSError):
                 os.unlink(seg.path)
         self.segments.clear()

@@ -16,7 +16,7 @@ from collections import deque
 import numpy as np
 import pytest
 import torch
-from test_service import make_plan, make_shards, start
+from test_service import make_plan, make_shards, settled_stats, start
 
 from entrain_data.client import EntrainLoader
 from entrain_data.errors import ProtocolError
@@ -149,7 +149,8 @@ def test_remove_segments_takes_only_that_workers(shm_root):
 def _consume(endpoint, keep, direct=True):
     """Two ranks in lockstep, each holding only its last ``keep`` microbatches (as training
     does); a held one is checked unchanged when it is let go. Returns {rank: [(pos, keys,
-    tensors cloned)]}, the service's shared directory and how many segments it held."""
+    tensors cloned)]}, the service's shared directory, how many segments it held and the
+    service's stats once every worker has reported."""
     loaders = [EntrainLoader(endpoint, r, prefetch=2, timeout=30, direct=direct) for r in (0, 1)]
     try:
         its = [iter(ld) for ld in loaders]
@@ -172,7 +173,8 @@ def _consume(endpoint, keep, direct=True):
                     assert all(old[k].equal(v) for k, v in snap.items())
         shm = loaders[0].info.get("shm_dir")
         segments = len([f for f in os.listdir(shm) if f.endswith(".seg")]) if shm else 0
-        return seen, shm, segments
+        samples = sum(len(keys) for v in seen.values() for _, keys, _ in v)
+        return seen, shm, segments, settled_stats(loaders[0], samples)
     finally:
         for ld in loaders:
             ld.close()
@@ -183,7 +185,7 @@ def test_segments_are_reused_and_carry_what_the_coordinator_route_does(tmp_path)
     plan = make_plan()
     svc = start(tmp_path, index, plan, seed=3)
     try:
-        got, shm, segments = _consume(svc.endpoint, keep=2)
+        got, shm, segments, _ = _consume(svc.endpoint, keep=2)
         assert svc.wait(15) == 0
     finally:
         svc.close()
@@ -193,7 +195,7 @@ def test_segments_are_reused_and_carry_what_the_coordinator_route_does(tmp_path)
     assert segments <= delivered // 3  # each segment served several microbatches
     svc = start(tmp_path, index, plan, seed=3)
     try:
-        ref, _, _ = _consume(svc.endpoint, keep=0, direct=False)
+        ref, *_ = _consume(svc.endpoint, keep=0, direct=False)
     finally:
         svc.close()
     for r in (0, 1):
@@ -213,3 +215,19 @@ def test_a_free_segment_goes_back_to_the_ranks_that_have_it_mapped(shm_root):
     assert pool.write(bufs, ["b"])["path"] == paths["b"]
     assert pool.write(bufs, ["a"])["path"] == paths["a"]
     pool.close()
+
+
+def test_a_rank_that_cannot_see_the_services_shared_memory_is_sent_the_bytes(tmp_path, monkeypatch):
+    import entrain_data.connection as connection
+
+    real = os.access
+    blind = lambda path, mode: False if "entrain-shm-" in str(path) else real(path, mode)  # noqa: E731
+    monkeypatch.setattr(connection.os, "access", blind)  # as if in another container
+    index = make_shards(tmp_path)
+    svc = start(tmp_path, index, make_plan(), seed=3)
+    try:
+        got, _, _, stats = _consume(svc.endpoint, keep=1)
+    finally:
+        svc.close()
+    assert sum(len(v) for v in got.values()) == 24
+    assert stats["bytes_served"] > 0 and stats["bytes_shared_memory"] == 0

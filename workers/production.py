@@ -58,6 +58,7 @@ class RankState:
         None  # direct: its tcp socket and CURVE key, for remote workers
     )
     ahead: int = 0  # direct: the prefetch it granted (positions past next_pos it may hold)
+    shm: bool = True  # direct: it can map workers' segments (sees the service's /dev/shm)
     sent: set[int] = field(default_factory=set)  # direct: delivered, not yet yielded
     flying: set[int] = field(default_factory=set)  # direct: in a task that names it
     sent_remote: set[int] = field(default_factory=set)  # direct: of ``sent``, by remote workers
@@ -74,6 +75,8 @@ class RankState:
         if self.data is None:
             return
         self.ahead = max(self.ahead, n)  # the first credit is the rank's prefetch
+        if h.get("shm") is False:  # another /dev/shm (a container): bytes by socket
+            self.shm = False
         tcp = h.get("tcp")
         if isinstance(tcp, dict):
             ep, key = tcp.get("endpoint"), tcp.get("key")
@@ -233,7 +236,9 @@ class Production:
                 deliver.append([rank, r.remote[0], r.features, r.remote[1]])
             else:
                 deliver.append([rank, r.data, r.features])
-        shared = None if flight.remote else self.shared_dir  # another host's /dev/shm is not ours
+        # another host's /dev/shm is not ours; a rank that cannot see ours takes the bytes by socket
+        local = not flight.remote and all(by_rank[rank].shm for rank, _ in flight.dests)
+        shared = self.shared_dir if local else None
         return {"deliver": deliver, "payload": flight.payload, "shared": shared}
 
     def launched(self, tid: int, flight: Flight, by_rank: dict[int, RankState]) -> None:
