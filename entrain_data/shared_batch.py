@@ -3,22 +3,22 @@
 Over an ipc socket a microbatch is copied twice (into the kernel, out of it) and
 lands in freshly allocated pages the receiver must fault in and the kernel must
 clear: for 12 MB images that is most of a rank's CPU. Instead each worker keeps
-a pool of files in the service's directory in ``/dev/shm`` (its *segments*) and
-writes a microbatch into a free one, once, however many ranks read it
-(tensor-parallel peers, later pipeline stages); each rank gets only the
-``batch`` header naming the segment. A rank maps a segment once and keeps the
-mapping, its tensors view it: no copy on the rank and, once the pages are
-resident, no page fault on either side.
+a pool of files in the service's directory in ``/dev/shm`` (its *segments*),
+mapped once, and copies a microbatch into a free one, once however many ranks
+read it (tensor-parallel peers, later pipeline stages); each rank gets only the
+``batch`` header naming the segment. The rank maps that slot copy-on-write and
+its tensors view the mapping: no copy on the rank, and the segment's pages stay
+resident, so neither side clears a fresh page.
 
 A segment is free again when every rank it went to has dropped the tensors that
 view it: the first page of the file holds one byte per reader, set to 1 by the
 writer before it sends, cleared by that reader's finalizer when the last tensor
 of that microbatch is garbage. Each byte has one writer at a time, so no atomic
 is needed. A rank that dies holding a slot leaves it taken; the pool is bounded
-(:data:`POOL_BYTES`, and a quarter of ``/dev/shm``), and when no slot is free
-and the pool is full the worker sends the bytes over the socket as before. The
-coordinator removes a dead worker's segments and, when it stops, the directory;
-mappings outlive both.
+(:data:`POOL_BYTES` per worker, and never the last half of ``/dev/shm``), and
+when no slot is free and the pool is full the worker sends the bytes over the
+socket as before. The coordinator removes a dead worker's segments and, when it
+stops, the directory; mappings outlive both.
 
 Segment layout: the flag page (:data:`HEAD` bytes), then the tensors' bytes in
 the header's order, each at a multiple of :data:`ALIGN`. The header's ``shm``
@@ -55,9 +55,9 @@ __all__ = [
 
 ALIGN = 64
 HEAD = mmap.PAGESIZE  # the flag page: byte i belongs to the slot's reader i
-POOL_BYTES = 1 << 30  # per worker; a quarter of /dev/shm at most
+POOL_BYTES = 1 << 30  # per worker
 _GRAIN = 1 << 20  # segment capacities are whole MiB, with a quarter of headroom
-_MAX_MAPS = 256  # segments a rank keeps mapped (the oldest are dropped, not unmapped)
+_MAX_FILES = 64  # segments a rank keeps open (their flag pages mapped)
 
 
 def make_shared_dir() -> str | None:
@@ -105,8 +105,8 @@ class SegmentPool:
 
     def __init__(self, root: str, owner: str, budget: int = POOL_BYTES) -> None:
         self.root, self.owner = root, owner
-        st = os.statvfs(root)
-        self.budget = min(budget, st.f_blocks * st.f_frsize // 4)
+        os.statvfs(root)  # the directory exists (OSError otherwise)
+        self.budget = budget
         self.segments: list[_Segment] = []  # by size, smallest first
         self.used = 0
         self._made = 0
@@ -144,6 +144,9 @@ class SegmentPool:
         size = HEAD + -(-(end - HEAD) * 5 // 4 // _GRAIN) * _GRAIN
         if self.used + size > self.budget:
             return None
+        st = os.statvfs(self.root)
+        if (st.f_bavail * st.f_frsize - size) * 2 < st.f_blocks * st.f_frsize:
+            return None  # the last half of /dev/shm is left to others (NCCL, DataLoaders)
         path = os.path.join(self.root, f"{self.owner}-{self._made}.seg")
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -178,11 +181,18 @@ def _clear(flags: mmap.mmap, reader: int) -> None:
 
 
 class SegmentReader:
-    """A rank's mappings of workers' segments under ``root`` (the service's directory)."""
+    """A rank's view of workers' segments under ``root`` (the service's directory).
+
+    Each microbatch gets its own private copy-on-write mapping of its slot: reading it
+    reads the shared pages, and a training loop that writes into a tensor in place
+    copies the pages it writes, never changing what a peer reads or what the segment
+    holds when it is reused (a shared mapping kept across microbatches would fault
+    less, but an in-place write would then crash on a read-only page or reach peers).
+    """
 
     def __init__(self, root: str | None) -> None:
         self.root = os.path.realpath(root) if root else None
-        self.maps: OrderedDict[str, tuple[mmap.mmap, mmap.mmap]] = OrderedDict()
+        self.files: OrderedDict[str, tuple[int, mmap.mmap]] = OrderedDict()  # fd, flag page
 
     def _check(self, shm: Any) -> tuple[str, list[Any], int]:
         if self.root is None or not isinstance(shm, dict):
@@ -200,31 +210,26 @@ class SegmentReader:
             raise ProtocolError(f"shared microbatch {path!r} is outside {self.root!r}")
         return real, offsets, reader
 
-    def _map(self, path: str) -> tuple[mmap.mmap, mmap.mmap]:
-        got = self.maps.pop(path, None)
+    def _open(self, path: str) -> tuple[int, mmap.mmap]:
+        got = self.files.pop(path, None)
         if got is None:
             try:
                 fd = os.open(path, os.O_RDWR)
             except OSError as exc:
                 raise ProtocolError(f"shared microbatch {path!r}: {exc.strerror}") from None
-            try:
-                size = os.fstat(fd).st_size
-                if size < HEAD:
-                    raise ProtocolError(f"shared microbatch {path!r}: {size} bytes, no flag page")
-                # populated at once: one call instead of a fault per page
-                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-                got = (mmap.mmap(fd, HEAD), mmap.mmap(fd, size, flags, mmap.PROT_READ))
-            finally:
+            if os.fstat(fd).st_size < HEAD:
                 os.close(fd)
-        self.maps[path] = got  # most recently used last
-        while len(self.maps) > _MAX_MAPS:
-            self.maps.popitem(last=False)  # its tensors keep their mapping alive
+                raise ProtocolError(f"shared microbatch {path!r}: no flag page")
+            got = (fd, mmap.mmap(fd, HEAD))
+        self.files[path] = got  # most recently used last
+        while len(self.files) > _MAX_FILES:
+            os.close(self.files.popitem(last=False)[1][0])  # its flag page stays mapped
         return got
 
     def release(self, shm: Any) -> None:
         """Free a slot without reading it (a duplicate the rank already holds)."""
         path, _, reader = self._check(shm)
-        _clear(self._map(path)[0], reader)
+        _clear(self._open(path)[1], reader)
 
     def views(self, shm: Any, specs: Sequence[Any]) -> list[memoryview]:
         """Views of a microbatch's tensors, for ``protocol.decode`` to check and wrap; the
@@ -232,17 +237,18 @@ class SegmentReader:
         path, offsets, reader = self._check(shm)
         if len(offsets) != len(specs):
             raise ProtocolError(f"shared microbatch {path!r}: {len(offsets)} offsets")
-        flags, data = self._map(path)
+        fd, flags = self._open(path)
+        size = os.fstat(fd).st_size
         spans = []
         for spec, off in zip(specs, offsets):
             nbytes = spec[3] if isinstance(spec, list) and len(spec) == 4 else None
             if not isinstance(off, int) or not isinstance(nbytes, int) or off < HEAD:
                 _clear(flags, reader)
                 raise ProtocolError(f"shared microbatch {path!r}: bad offset {off!r}")
-            if off + nbytes > len(data):
+            if off + nbytes > size:
                 _clear(flags, reader)
                 raise ProtocolError(
-                    f"shared microbatch {path!r}: {len(data)} bytes, tensor ends at {off + nbytes}"
+                    f"shared microbatch {path!r}: {size} bytes, tensor ends at {off + nbytes}"
                 )
             spans.append((off, nbytes))
         start = min((o for o, _ in spans), default=HEAD)
@@ -250,7 +256,9 @@ class SegmentReader:
         if count == 0:
             _clear(flags, reader)
             return [memoryview(b"") for _ in spans]
-        holder = np.frombuffer(data, np.uint8, count, start)
+        low = start - start % mmap.ALLOCATIONGRANULARITY
+        private = mmap.mmap(fd, start + count - low, mmap.MAP_PRIVATE, offset=low)
+        holder = np.frombuffer(private, np.uint8, count, start - low)
         weakref.finalize(holder, _clear, flags, reader)
         whole = memoryview(holder)
         return [whole[o - start : o - start + n] for o, n in spans]

@@ -231,3 +231,18 @@ def test_a_rank_that_cannot_see_the_services_shared_memory_is_sent_the_bytes(tmp
         svc.close()
     assert sum(len(v) for v in got.values()) == 24
     assert stats["bytes_served"] > 0 and stats["bytes_shared_memory"] == 0
+
+
+def test_a_rank_may_write_into_its_tensors_without_touching_peers_or_later_microbatches(shm_root):
+    pool, r0, r1 = SegmentPool(shm_root, "w0.0"), SegmentReader(shm_root), SegmentReader(shm_root)
+    bufs = [np.full(3 * HEAD, 7, np.uint8)]
+    slot = pool.write(bufs, [0, 1])
+    mine, theirs = _read(r0, slot, bufs, 0)[0], _read(r1, slot, bufs, 1)[0]
+    mine[:] = 1  # in place, as a training loop may (e.g. masking labels)
+    assert int(theirs.sum()) == 7 * 3 * HEAD and int(mine.sum()) == 3 * HEAD
+    del mine, theirs
+    gc.collect()
+    again = pool.write([np.full(3 * HEAD, 9, np.uint8)], [0])
+    assert again["path"] == slot["path"]
+    assert _read(r0, again, bufs)[0].tolist() == [9] * (3 * HEAD)
+    pool.close()
