@@ -200,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fanout-images", type=int, default=2048, help="images, transport runs")
     ap.add_argument("--decode-images", type=int, default=768, help="images, real-decode runs")
     ap.add_argument("--fanout-batch", type=int, default=128, help="global batch (fan-out)")
+    ap.add_argument(
+        "--fanout-rounds", type=int, default=3, help="interleaved rounds of the transport routes"
+    )
     ap.add_argument("--previous", help="a git tree of the previous release, run for comparison")
     args = ap.parse_args(argv)
     if args.fanout:

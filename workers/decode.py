@@ -136,7 +136,7 @@ def _to_rgb(im: Image.Image) -> Image.Image:
         im = im.convert("RGBA")
         white = Image.new("RGBA", im.size, (255, 255, 255, 255))
         return Image.alpha_composite(white, im).convert("RGB")
-    return im.convert("RGB")
+    return im if im.mode == "RGB" else im.convert("RGB")  # convert would copy an RGB image
 
 
 def decode_image(
