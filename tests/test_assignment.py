@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from entrain_data.assignment import CAP_AWARE, DEFERRING, METHODS, assign, check_assignment
-from entrain_data.assignment.pipeline_search import _CV_FLOOR, _CV_SLACK
+from entrain_data.assignment.pipeline_search import cv_limits
 from entrain_data.errors import InvalidInput
 
 
@@ -127,9 +127,12 @@ def test_entrain_encoder_sets_reach_the_whole_sample_bound_on_heavy_tails():
         loads = np.array([enc[s].sum() for s in a.encoder_sets[r]])
         bound = _waterfill_cv(enc[np.concatenate(a.encoder_sets[r])], 32)
         # LPT sets within 5% of the bound; the pipeline search may then trade up to its
-        # documented encoder-CV allowance (_CV_SLACK, _CV_FLOOR) for a shorter pipeline
+        # documented encoder-CV allowance (cv_limits) for a shorter pipeline
         lpt = bound * 1.05 + 1e-3
-        assert loads.std() / loads.mean() <= lpt * (1 + _CV_SLACK) + _CV_FLOOR
+        mine = np.concatenate(a.encoder_sets[r])
+        cost = np.stack([enc[mine], tokens[mine] * 1e-4], axis=1)[None]
+        limit = cv_limits(np.array([[lpt, 0.0]]), cost, np.ones((1, len(mine)), bool), 32)
+        assert loads.std() / loads.mean() <= limit[0, 0]
 
 
 class _Deferred:

@@ -11,11 +11,10 @@ from entrain_data.assignment import assign, check_assignment
 from entrain_data.assignment.common import Replicas
 from entrain_data.assignment.pipeline_search import (
     _CV_FLOOR,
-    _CV_SLACK,
-    _LLM_CV_SLACK,
     _loads,
     _per_stage,
     _replica_times,
+    cv_limits,
     proxy_stage_shares,
     refine_by_pipeline,
 )
@@ -114,9 +113,8 @@ def test_search_keeps_invariants_never_slows_the_proxy_and_respects_cv_limits(se
     assert (e2[valid & ~has_enc] == l2[valid & ~has_enc]).all()
     assert ((e2 >= 0) & (e2 < m) | ~valid).all()
     assert (e2[~valid] == -1).all() and (l2[~valid] == -1).all()
-    slack = np.full(cv0.shape[1], _CV_SLACK)
-    slack[-1] = _LLM_CV_SLACK
-    assert (_cvs(e2, l2, valid, enc, llm, m) <= cv0 * (1 + slack) + _CV_FLOOR + 1e-9).all()
+    cost = np.concatenate([enc, np.where(valid, llm, 0)[..., None]], axis=2)
+    assert (_cvs(e2, l2, valid, enc, llm, m) <= cv_limits(cv0, cost, valid, m) + 1e-9).all()
     for r in range(2):
         v = valid[r]
         t = np.bincount(l2[r, v], tok[r, v], m)
@@ -238,3 +236,20 @@ def test_search_never_raises_the_largest_encoder_set(seed):
     rp = _replicas(valid, has_enc, enc, llm, tok, m, patches=patches, patch_cap=cap)
     e2, _ = refine_by_pipeline(rp, eidx, lidx, np.random.default_rng(seed), rounds=12)
     assert largest(e2) <= largest(eidx)
+
+
+def test_cv_limits_follow_a_random_cut_and_give_equal_costs_no_room():
+    rng = np.random.default_rng(3)
+    m, n = 16, 256
+    heavy = rng.lognormal(0, 1.0, n)  # a heavy-tailed module
+    same = np.full(n, 2.0)  # every sample costs the same (clips padded to 30 s)
+    cost = np.stack([heavy, same], axis=1)[None]  # [1, n, 2]: the LLM is the last column
+    valid = np.ones((1, n), bool)
+    cv0 = np.array([[0.001, 0.0]])
+    lim = cv_limits(cv0, cost, valid, m)
+    # what random equal-count microbatches of these samples really get, on average
+    cuts = [rng.permutation(n).reshape(m, n // m) for _ in range(400)]
+    sums = np.array([heavy[c].sum(axis=1) for c in cuts])
+    measured = float((sums.std(axis=1) / sums.mean(axis=1)).mean())
+    assert 0.045 * measured <= lim[0, 0] <= 0.055 * measured
+    assert lim[0, 1] == pytest.approx(_CV_FLOOR)  # equal costs: no room beyond the floor

@@ -26,7 +26,9 @@ why the cap cannot be met.
 At every batch size the chosen sets are then refined against a
 simulated 1F1B pipeline (:mod:`.pipeline_search`): whole-sample moves that
 shorten a proxy pipeline's iteration while every module's per-microbatch CV
-stays within a stated slack of the sets' own (4% encoders, 10% LLM).
+stays within a stated slack of the sets' own (4% encoders, 10% LLM) or within 5% of
+what a random equal-count cut would give, whichever is larger
+(:func:`.pipeline_search.cv_limits`).
 
 The levels live in modules of their own: :mod:`.replica_split` (level 1),
 :mod:`.encoder_sets` (E_j), :mod:`.llm_sets` (L_j) and :mod:`.pipeline_search`;

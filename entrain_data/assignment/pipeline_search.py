@@ -21,7 +21,8 @@ The search itself is a seeded local search over whole-sample moves, all
 replicas at once: each round draws ``_CANDIDATES`` moves per replica (a
 sample's LLM microbatch later or earlier, its encoder microbatch earlier or
 later, or two samples exchanging their (E, L) slots), drops the ones that break
-``L >= E``, the token cap or the deferral budget, simulates the rest in one
+``L >= E``, the token cap, the deferral budget or a module's CV limit
+(:func:`cv_limits`), simulates the rest in one
 vectorised pass and keeps the best if it shortens the replica's proxy
 iteration. The proxy time of a replica therefore never grows, and no move may
 leave an LLM set empty.
@@ -39,7 +40,13 @@ from .. import compiled
 from ..simulator import simulate_pipeline, topological_order
 from .common import Replicas, slot_sums
 
-__all__ = ["proxy_stage_shares", "proxy_times", "refine_by_pipeline", "refine_slowest"]
+__all__ = [
+    "cv_limits",
+    "proxy_stage_shares",
+    "proxy_times",
+    "refine_by_pipeline",
+    "refine_slowest",
+]
 
 _PROXY_STAGES = 4
 _FWD_SHARE = 1.0 / 3.0  # forward share of a trainable module's forward + backward cost
@@ -51,7 +58,8 @@ _PATIENCE = 8  # rounds without any accepted move after which the search stops
 _CANDIDATE_BUDGET = 128  # replicas x candidates simulated per round, at most
 _CV_SLACK = 0.04  # an encoder column's per-microbatch CV may grow by this share in the search
 _LLM_CV_SLACK = 0.10  # the LLM's (the L sets')
-_CV_FLOOR = 0.002  # ... plus this much (so near-perfect sets still have room)
+_CV_FLOOR = 0.002  # ... plus this much
+_RANDOM_SHARE = 0.05  # or up to this share of a random equal-count cut's CV (cv_limits)
 
 
 def proxy_stage_shares(module_totals: np.ndarray, stages: int = _PROXY_STAGES) -> np.ndarray:
@@ -83,6 +91,31 @@ def proxy_stage_shares(module_totals: np.ndarray, stages: int = _PROXY_STAGES) -
     if s_enc < stages:
         shares[s_enc:, -1] = 1.0 / (stages - s_enc)
     return shares
+
+
+def cv_limits(cv0: np.ndarray, cost: np.ndarray, valid: np.ndarray, m: int) -> np.ndarray:
+    """[R, K] the per-microbatch CV each module may reach in the search: its start's CV plus
+    a share (``_CV_SLACK``, ``_LLM_CV_SLACK`` for the LLM, the last column) and
+    ``_CV_FLOOR``, or ``_RANDOM_SHARE`` of the CV a random equal-count cut of the replica's
+    samples gives (``cost`` [R, n, K]), whichever is larger.
+
+    Near-perfect sets (CVs of 0.002 with 16 samples a microbatch) otherwise leave the search
+    no room to shorten the pipeline, which on 1F1B pays for uneven microbatches in its
+    fill and drain: at 4096 / dp 16 the peers' uneven sets ran 0.5% faster than entrain's
+    even ones. Measured against what fixed-count microbatches get in expectation, the
+    allowance keeps every module's CV at least 1 / ``_RANDOM_SHARE`` times below theirs,
+    and it is zero where every sample costs the same (nothing to gain by unbalancing).
+    """
+    slack = np.full(cv0.shape[-1], _CV_SLACK)
+    slack[-1] = _LLM_CV_SLACK
+    n = np.maximum(valid.sum(axis=1), 1).astype(np.float64)[:, None]  # [R, 1]
+    c = np.where(valid[..., None], cost, 0.0)
+    mean = c.sum(axis=1) / n
+    var = (np.where(valid[..., None], c - mean[:, None, :], 0.0) ** 2).sum(axis=1) / n
+    rel = np.sqrt(var) / np.where(mean > 0, mean, 1.0)
+    # a microbatch of n/m samples drawn without replacement: CV = rel * sqrt((1 - 1/m) m / n)
+    random_cut = np.where(mean > 0, rel * np.sqrt((1 - 1 / m) * m / np.maximum(n, m)), 0.0)
+    return np.maximum(cv0 * (1 + slack) + _CV_FLOOR, _RANDOM_SHARE * random_cut)
 
 
 def _per_stage(enc_cols, llm, valid, frozen=None):
@@ -216,20 +249,13 @@ def refine_by_pipeline(
     k_count = max(2, min(candidates, _CANDIDATE_BUDGET // r_count))
     order = np.argsort(~valid, axis=1, kind="stable")  # valid members first
     # per-microbatch module loads (each encoder column from E, the LLM from L) and the
-    # sum of squares each may reach: CV <= (1 + _CV_SLACK) * its start + _CV_FLOOR
+    # sum of squares each may reach (see cv_limits)
     mod_e = np.where(valid[..., None], enc_cols, 0.0)
-    mod = np.concatenate(
-        [
-            _loads(eidx, mod_e, valid, m),
-            _loads(lidx, np.where(valid, llm, 0.0)[..., None], valid, m),
-        ],
-        axis=2,
-    )
+    llm_v = np.where(valid, llm, 0.0)[..., None]
+    mod = np.concatenate([_loads(eidx, mod_e, valid, m), _loads(lidx, llm_v, valid, m)], axis=2)
     mean = mod.mean(axis=1)  # [R, K]
     cv0 = np.where(mean > 0, mod.std(axis=1) / np.where(mean > 0, mean, 1.0), 0.0)
-    slack = np.full(mod.shape[2], _CV_SLACK)
-    slack[-1] = _LLM_CV_SLACK
-    cv_lim = cv0 * (1 + slack) + _CV_FLOOR
+    cv_lim = cv_limits(cv0, np.concatenate([mod_e, llm_v], axis=2), valid, m)
     ss_lim = m * mean**2 * (1 + cv_lim**2) * (1 + 1e-12)
     step = _round_numpy
     if compiled.enabled():
