@@ -274,7 +274,10 @@ class EntrainLoader:
             yield batch
 
     def stats(self) -> dict[str, Any]:
-        """The service's counters (served, queues, workers, skipped, assignment latency)."""
+        """The service's counters (served, queues, workers, skipped, assignment latency), as
+        the coordinator has them now: a worker reports a microbatch (and the samples it
+        skipped) after delivering it, so what a rank has just received may be counted a
+        moment later."""
         conn = self._conn()
         conn._send("stats", {})
         return dict(conn._wait(lambda m: m.kind == "stats", "a stats reply").header["stats"])
