@@ -9,7 +9,11 @@ microbatch a rank still holds is never overwritten.
 from __future__ import annotations
 
 import gc
+import glob
 import os
+import signal
+import subprocess
+import sys
 import warnings
 from collections import deque
 
@@ -20,7 +24,15 @@ from test_service import make_plan, make_shards, settled_stats, start
 
 from entrain_data.client import EntrainLoader
 from entrain_data.errors import ProtocolError
-from entrain_data.shared_batch import HEAD, SegmentPool, SegmentReader, remove_segments
+from entrain_data.shared_batch import (
+    HEAD,
+    SegmentPool,
+    SegmentReader,
+    drop_shared_dir,
+    make_shared_dir,
+    remove_segments,
+    remove_shared_dirs,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -246,3 +258,51 @@ def test_a_rank_may_write_into_its_tensors_without_touching_peers_or_later_micro
     assert again["path"] == slot["path"]
     assert _read(r0, again, bufs)[0].tolist() == [9] * (3 * HEAD)
     pool.close()
+
+
+def _owner(root, wait: bool) -> subprocess.Popen:
+    """Another process that makes a shared directory under ``root``, prints it, and holds it
+    until its stdin closes (``wait``) or ends at once."""
+    code = (
+        "import sys; from entrain_data.shared_batch import make_shared_dir; "
+        f"print(make_shared_dir(root={str(root)!r}), flush=True); "
+        + ("sys.stdin.read()" if wait else "")
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+
+
+def test_a_dead_services_shared_directory_is_removed_by_the_next_one(tmp_path):
+    dead = _owner(tmp_path, wait=False)
+    gone = dead.stdout.readline().strip()
+    dead.wait(30)  # ended: as a coordinator killed with SIGKILL, its lock is gone
+    live = _owner(tmp_path, wait=True)
+    try:
+        held = live.stdout.readline().strip()
+        assert os.path.basename(held).startswith(f"entrain-shm-{live.pid}-")
+        mine = make_shared_dir(root=str(tmp_path))  # the next service on this host sweeps
+        assert not os.path.exists(gone)
+        assert os.path.isdir(held) and os.path.isdir(mine)  # live owners keep theirs
+        assert remove_shared_dirs(root=str(tmp_path)) == []
+    finally:
+        live.stdin.close()
+        live.wait(30)
+    assert remove_shared_dirs(pid=live.pid, root=str(tmp_path)) == [held]
+    drop_shared_dir(mine)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_service_killed_with_sigkill_leaves_no_shared_directory_after_close(tmp_path):
+    index = make_shards(tmp_path, per_shard=12)
+    svc = start(tmp_path, index, make_plan())
+    try:
+        loader = EntrainLoader(svc.endpoint, 0, prefetch=1, timeout=30)
+        next(iter(loader))  # a direct rank on this host: the service made its directory
+        assert glob.glob(f"/dev/shm/entrain-shm-{svc.pid}-*")
+        os.kill(svc.pid, signal.SIGKILL)
+        svc.process.join(5)
+        loader.close()
+    finally:
+        svc.close()
+    assert not glob.glob(f"/dev/shm/entrain-shm-{svc.pid}-*")

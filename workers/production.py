@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from entrain_data.errors import ProtocolError
-from entrain_data.shared_batch import make_shared_dir
+from entrain_data.shared_batch import drop_shared_dir, make_shared_dir
 
 __all__ = ["RankState", "Flight", "Production", "reachable_data_endpoint", "remote_host"]
 
@@ -161,7 +160,7 @@ class Production:
 
     def close(self) -> None:
         if self.shared_dir is not None:
-            shutil.rmtree(self.shared_dir, ignore_errors=True)
+            drop_shared_dir(self.shared_dir)
             self.shared_dir = None
 
     # ---------------------------------------------------------------- windows

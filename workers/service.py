@@ -29,6 +29,7 @@ from entrain_data.errors import (
     error_from_fields,
 )
 from entrain_data.plan import ParallelPlan
+from entrain_data.shared_batch import remove_shared_dirs
 
 from .coordinator import Coordinator, ServiceConfig
 from .pool import stop_processes
@@ -275,6 +276,8 @@ def _stop(process: Any, cfg: ServiceConfig, timeout: float) -> None:
         os.kill(process.pid, signal.SIGTERM)  # the coordinator drains and stops its workers
     stop_processes([process], timeout)
     remove_ipc(cfg)
+    if process.pid is not None:  # what a coordinator killed with SIGKILL left in /dev/shm
+        remove_shared_dirs(pid=process.pid)
 
 
 class ServiceHandle:
