@@ -39,6 +39,7 @@ __all__ = ["Connection", "tensors_of"]
 
 log = logging.getLogger(__name__)
 
+_LOST: Any = object()  # _poll_once: a message that arrived without its data
 _NUDGE_S = 1.0  # direct route: seconds of waiting before the rank says what it holds
 
 _TORCH_DTYPES = {
@@ -187,7 +188,16 @@ class Connection:
         """The next message from either socket within ``wait`` seconds, else None.
 
         A service ``error`` is raised, typed; so is the exit of a service this process started.
+        A microbatch whose shared segment went with its dead worker is dropped, as if it never
+        came (:meth:`next_batch` asks for what it lacks).
         """
+        deadline = time.monotonic() + wait
+        while True:
+            msg = self._poll_once(max(deadline - time.monotonic(), 0.0), what)
+            if msg is not _LOST:
+                return msg
+
+    def _poll_once(self, wait: float, what: str) -> protocol.Message | None:
         socks = (self.sock, self.data, self.tcp)
         if self._poller is None or self._polled != socks:  # built once per set of sockets
             self._poller, self._polled = zmq.Poller(), socks
@@ -213,7 +223,12 @@ class Connection:
                 if self._stale(head):  # a duplicate: free its slot unread
                     self.segments.release(head["shm"])
                     return protocol.Message("batch", head)
-                frames = [frames[0], *self.segments.views(head["shm"], head.get("tensors", []))]
+                views = self.segments.views(head["shm"], head.get("tensors", []))
+                if views is None:
+                    log.info("rank %d: a shared microbatch went with its worker: %s", self.rank,
+                             {k: head.get(k) for k in ("epoch", "iteration", "microbatch")})  # fmt: skip
+                    return _LOST
+                frames = [frames[0], *views]
         msg = protocol.decode(frames)
         if msg.kind == "error":  # typed as the service raised it (SampleError: source, key)
             raise error_from_fields(msg.header, prefix=f"loader service at {self.endpoint}: ")

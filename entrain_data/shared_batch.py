@@ -271,11 +271,15 @@ class SegmentReader:
             raise ProtocolError(f"shared microbatch {path!r} is outside {self.root!r}")
         return real, offsets, reader
 
-    def _open(self, path: str) -> tuple[int, mmap.mmap]:
+    def _open(self, path: str) -> tuple[int, mmap.mmap] | None:
+        """The segment's descriptor and flag page; None when it no longer exists (its worker
+        died and the coordinator removed its segments while this header was on its way)."""
         got = self.files.pop(path, None)
         if got is None:
             try:
                 fd = os.open(path, os.O_RDWR)
+            except FileNotFoundError:
+                return None
             except OSError as exc:
                 raise ProtocolError(f"shared microbatch {path!r}: {exc.strerror}") from None
             if os.fstat(fd).st_size < HEAD:
@@ -290,15 +294,22 @@ class SegmentReader:
     def release(self, shm: Any) -> None:
         """Free a slot without reading it (a duplicate the rank already holds)."""
         path, _, reader = self._check(shm)
-        _clear(self._open(path)[1], reader)
+        got = self._open(path)
+        if got is not None:
+            _clear(got[1], reader)
 
-    def views(self, shm: Any, specs: Sequence[Any]) -> list[memoryview]:
+    def views(self, shm: Any, specs: Sequence[Any]) -> list[memoryview] | None:
         """Views of a microbatch's tensors, for ``protocol.decode`` to check and wrap; the
-        slot is freed when the last view (and every tensor made from one) is gone."""
+        slot is freed when the last view (and every tensor made from one) is gone. None when
+        the segment is gone with its worker: the microbatch is lost, as one in a dead worker's
+        socket queue is, and the rank asks for it again."""
         path, offsets, reader = self._check(shm)
         if len(offsets) != len(specs):
             raise ProtocolError(f"shared microbatch {path!r}: {len(offsets)} offsets")
-        fd, flags = self._open(path)
+        got = self._open(path)
+        if got is None:
+            return None
+        fd, flags = got
         size = os.fstat(fd).st_size
         spans = []
         for spec, off in zip(specs, offsets):

@@ -158,6 +158,17 @@ def test_remove_segments_takes_only_that_workers(shm_root):
     b.close()
 
 
+def test_a_header_whose_segment_went_with_its_worker_reads_as_lost(shm_root):
+    pool, reader = SegmentPool(shm_root, "w0.0"), SegmentReader(shm_root)
+    bufs = [np.arange(HEAD, dtype=np.uint8)]
+    slot = pool.write(bufs, [0])
+    remove_segments(shm_root, "w0.0")  # the coordinator, once the worker died
+    shm = {**slot, "reader": 0}
+    assert reader.views(shm, _specs(bufs)) is None  # lost: the rank asks for it again
+    reader.release(shm)  # nothing left to free, and no error
+    pool.close()
+
+
 def _consume(endpoint, keep, direct=True):
     """Two ranks in lockstep, each holding only its last ``keep`` microbatches (as training
     does); a held one is checked unchanged when it is let go. Returns {rank: [(pos, keys,
