@@ -385,6 +385,13 @@ def run_previous(tree: str, index: str, plan: Any, workers: int, source: str) ->
 
 
 # ---------------------------------------------------------------------------------- report
+def _median_run(runs: list[dict], key: str) -> dict:
+    """The run with the median ``key`` (it stands for the route: its images/s, bytes per
+    image), with every run's ``key`` beside it as ``{key}_runs``."""
+    median = sorted(runs, key=lambda x: x[key])[(len(runs) - 1) // 2]
+    return {**median, f"{key}_runs": [x[key] for x in runs]}
+
+
 def main(args: Any) -> dict:
     """Every route and baseline on the same data; prints the table and the issue's ratios."""
     from entrain_data.workers.index_builder import build_index
@@ -407,9 +414,7 @@ def main(args: Any) -> dict:
         t = time.perf_counter()
         r = fn(*a)
         runs.setdefault(name, []).append(r)
-        # the run with the median rate stands for the route (its images/s, bytes per image)
-        rows[name] = sorted(runs[name], key=lambda x: x["mb_per_s"])[(len(runs[name]) - 1) // 2]
-        rows[name]["mb_per_s_runs"] = [x["mb_per_s"] for x in runs[name]]
+        rows[name] = _median_run(runs[name], "mb_per_s")
         print(f"  {name}: {r['mb_per_s']:.0f} MB/s ({time.perf_counter() - t:.0f} s)")
 
     print(f"fan-out {RANKS}: {n} images of {WIDTH}x{HEIGHT} px, {w} workers")
@@ -437,8 +442,7 @@ def main(args: Any) -> dict:
             decode_runs[k].append(r)
             print(f"  decode, {k} worker(s): {r['samples_per_s']:.1f} images/s")
     for k, got in decode_runs.items():
-        decode[k] = sorted(got, key=lambda x: x["samples_per_s"])[(len(got) - 1) // 2]
-        decode[k]["samples_per_s_runs"] = [x["samples_per_s"] for x in got]
+        decode[k] = _median_run(got, "samples_per_s")
     direct = rows["direct (this tree)"]
     ratios = {
         "direct / raw pyzmq (>= 0.90)": direct["mb_per_s"]
