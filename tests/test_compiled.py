@@ -115,24 +115,56 @@ def test_simulation_compiled_equals_numpy():
     m=st.integers(2, 12),
     d=st.integers(1, 9),
     ones=st.booleans(),
+    shaped=st.booleans(),
 )
-def test_vector_refinement_compiled_equals_numpy(seed, rows, n, m, d, ones):
-    # the refinement on its own: ties (a count column) and every column count, 9 included
+def test_vector_refinement_compiled_equals_numpy(seed, rows, n, m, d, ones, shaped):
+    # the refinement on its own: ties (a count column) and every column count, 9 included;
+    # toward equal bins and toward a shaped profile (light edges)
     from entrain_data.assignment.encoder_sets import refine_vector, vector_bins
+    from entrain_data.assignment.shaping import edge_shape
 
     rng = np.random.default_rng(seed)
     w = rng.lognormal(0, 1, (rows, n, d))
     if ones:
         w[..., 0] = 1.0
     valid = rng.random((rows, n)) < 0.9
+    prof = 1.0 + rng.random((rows, 1)) * 0.3 * edge_shape(m)[None, :] if shaped else None
 
     def refined():
         bins = vector_bins(w, valid, m)
-        refine_vector(bins, w, valid, m, iters=4 * m)
+        refine_vector(bins, w, valid, m, iters=4 * m, profile=prof)
         return bins
 
     a, b = _both(refined)
     assert np.array_equal(a, b)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), m=st.integers(3, 12), budget=st.sampled_from([None, 1.0]))
+def test_shaped_llm_fill_compiled_equals_numpy(seed, m, budget):
+    # the deferring LLM sets filled toward a shaped running target
+    from entrain_data.assignment.common import Inputs
+    from entrain_data.assignment.encoder_sets import lpt_bins
+    from entrain_data.assignment.entrain import replicas_of
+    from entrain_data.assignment.llm_sets import llm_sets_fill
+    from entrain_data.assignment.shaping import edge_shape
+
+    rng = np.random.default_rng(seed)
+    dp, per = 3, 6
+    enc, llm, tok, _ = _batch(rng, dp * m * per, 1)
+    mean_mb = tok.sum() / (dp * m)
+    bud = None if budget is None else int(budget * mean_mb)
+    x = Inputs(enc, llm, tok, dp, m, max_tokens=None, defer_budget=bud)
+    rp = replicas_of(x, np.arange(len(llm)).reshape(dp, -1))
+    eidx = lpt_bins(rp.enc_w, rp.has_enc, m)
+    prof = 1.0 + rng.random((dp, 1)) * 0.3 * edge_shape(m)[None, :]
+
+    def filled():
+        c = llm_sets_fill(rp, eidx, 0.02, prof)
+        return c.lidx, c.failed
+
+    (la, fa), (lb, fb) = _both(filled)
+    assert np.array_equal(la, lb) and np.array_equal(fa, fb)
 
 
 @pytest.mark.parametrize("extra", [(), (1,), (4,), (2, 3)])

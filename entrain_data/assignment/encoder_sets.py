@@ -175,7 +175,14 @@ def vector_bins(w: np.ndarray, valid: np.ndarray, m: int) -> np.ndarray:
     return bins
 
 
-def refine_vector(bins: np.ndarray, w: np.ndarray, valid: np.ndarray, m: int, iters: int) -> None:
+def refine_vector(
+    bins: np.ndarray,
+    w: np.ndarray,
+    valid: np.ndarray,
+    m: int,
+    iters: int,
+    profile: np.ndarray | None = None,
+) -> None:
     """Improve [R, n] bin ids of :func:`vector_bins` in place: move or swap items between each
     row's worst bin and the bin whose deviation from the per-bin target most opposes it (the
     next most opposed where that pair is stuck), when that lowers the two bins' sum over
@@ -195,7 +202,9 @@ def refine_vector(bins: np.ndarray, w: np.ndarray, valid: np.ndarray, m: int, it
     target = np.where(valid[..., None], w, 0.0).sum(axis=1) / m  # [R, D]
     wn = np.where(valid[..., None], w / np.where(target > 0, target, 1.0)[:, None, :], 0.0)
     slot = np.where(valid, bins, m)  # invalid items in an extra, ignored bin
-    dev = slot_sums(slot, wn, valid, m) - np.where(target > 0, 1.0, 0.0)[:, None, :]  # [R, m, D]
+    prof = np.ones((r_count, m)) if profile is None else np.asarray(profile, dtype=np.float64)
+    on = np.where(target > 0, 1.0, 0.0)[:, None, :]
+    dev = slot_sums(slot, wn, valid, m) - prof[:, :, None] * on  # [R, m, D]
     counts = slot_sums(slot, np.ones((r_count, n)), valid, m)
     if compiled.enabled():
         from . import sets_kernel  # numba is imported with it

@@ -58,6 +58,7 @@ from .encoder_sets import (
 from .llm_sets import ffd_joint, fits_cap, fits_patches, llm_sets_fill, llm_sets_lpt
 from .pipeline_search import _per_stage, proxy_times, refine_slowest
 from .replica_split import fit_caps, norm_columns, split_replicas
+from .shaping import shaped_candidates
 
 __all__ = ["assign_entrain", "split_replicas", "lpt_bins", "replicas_of"]
 
@@ -74,18 +75,25 @@ _TIME_GAIN = 0.01
 _GOOD_SCORE = 0.005  # balanced enough: a root-sum-square CV over the modules of 0.07
 _GOOD_ENC_CV = 0.02  # and every encoder column's CV at most this
 _VECTOR_ROUNDS = 4  # refine_vector steps per microbatch on the vector candidate
+# a shaped candidate (light first and last microbatch, :mod:`.shaping`) must be this much
+# faster by the proxy than the best even one: below it, even sets are worth more than
+# a gain the proxy pipeline may not resolve
+_SHAPE_GAIN = 0.003
 
 
-def _score(rp: Replicas, eidx: np.ndarray, lidx: np.ndarray):
+def _score(rp: Replicas, eidx: np.ndarray, lidx: np.ndarray, profile=None):
     """[R] how unbalanced a candidate is: the sum over modules (each encoder from E, the
     LLM from L) of the squared CV of per-microbatch load, plus the worst peak/mean as a
-    small tie-break. Squared CVs favour candidates with no badly balanced module.
+    small tie-break. Squared CVs favour candidates with no badly balanced module. A shaped
+    candidate's loads are measured against its ``profile`` [R, m, K] (the shape it aims at).
     Also returns the worst encoder column's CV (encoder balance comes first)."""
     r_count, m = rp.llm.shape[0], rp.m
     ok = rp.valid & (eidx >= 0)
     e_loads = slot_sums(eidx, rp.enc_cols, ok, m)  # [R, m, E]
     l_loads = slot_sums(lidx, rp.llm, rp.valid & (lidx >= 0), m)[..., None]
     loads = np.concatenate([e_loads, l_loads], axis=2)  # [R, m, K]
+    if profile is not None:  # balance against the intended shape
+        loads = loads / profile
     mean = loads.mean(axis=1)
     safe = np.where(mean > 0, mean, 1.0)
     cv = np.where(mean > 0, loads.std(axis=1) / safe, 0.0)  # [R, K]
@@ -167,6 +175,7 @@ def _candidates(rp: Replicas, tolerance: float) -> list[Candidate]:
     wv = np.concatenate([rp.enc_cols, rp.llm[..., None], tokf], axis=2)
     vb = vector_bins(wv, valid, m)
     refine_vector(vb, wv, valid, m, iters=_VECTOR_ROUNDS * m)
+    cands += shaped_candidates(rp, vb, wv, eidx_d, tolerance, _VECTOR_ROUNDS * m)
     vb = order_by_llm(vb, valid, rp.llm, m)
     cands.append(Candidate(vb, vb, ~fits_cap(rp, vb)))
     return cands
@@ -186,14 +195,16 @@ def _pick(cands: list[Candidate], rp: Replicas) -> tuple[np.ndarray, np.ndarray]
     r_count, m, valid, has_enc = rp.llm.shape[0], rp.m, rp.valid, rp.has_enc
     enc_ref = None
     scored = []
+    shaped = []
     for c in cands:
         e_eff = np.where(has_enc, c.eidx, c.lidx)
         failed = c.failed | ~fits_patches(rp, e_eff)
-        sc, ecv = _score(rp, e_eff, c.lidx)
+        sc, ecv = _score(rp, e_eff, c.lidx, c.profile)
         if enc_ref is None:  # the first candidate's encoder sets are LPT-tight: the reference
             enc_ref = np.where(failed, np.inf, ecv)
         failed |= _empty_llm_set(c.lidx, valid, m)
         scored.append((e_eff, c.lidx, np.where(failed, np.inf, sc), ecv))
+        shaped.append(c.profile is not None)
     best_sc = np.min([sc for *_, sc, _ in scored], axis=0)
     stage = _per_stage(rp.enc_cols, rp.llm, valid, rp.frozen)
 
@@ -211,20 +222,28 @@ def _pick(cands: list[Candidate], rp: Replicas) -> tuple[np.ndarray, np.ndarray]
         for e_eff, cl, sc, ecv in scored
     ]
 
-    def fastest(score_level: float, enc_level: float) -> tuple[np.ndarray, np.ndarray]:
-        """[R] shortest proxy time among the candidates in the band, and which one."""
+    def fastest(score_level: float, enc_level: float, of_shaped: bool):
+        """[R] shortest proxy time among the (shaped or even) candidates in the band, and
+        which one."""
         key, pick = np.full(r_count, np.inf), np.full(r_count, -1)
         for i, (_, _, sc, ecv) in enumerate(scored):
+            if shaped[i] != of_shaped:
+                continue
             k = np.where(in_band(sc, ecv, score_level, enc_level), keys[i], np.inf)
             pick = np.where(k < key, i, pick)
             key = np.minimum(k, key)
         return key, pick
 
-    best_key, pick = fastest(0.0, 0.0)
-    wide_key, wide = fastest(_GOOD_SCORE, _GOOD_ENC_CV)
+    best_key, pick = fastest(0.0, 0.0, False)
+    wide_key, wide = fastest(_GOOD_SCORE, _GOOD_ENC_CV, False)
     take = wide_key < best_key * (1 - _TIME_GAIN)
     best_key = np.where(take, wide_key, best_key)
     pick = np.where(take, wide, pick)
+    if any(shaped):
+        sh_key, sh = fastest(_GOOD_SCORE, _GOOD_ENC_CV, True)
+        take = sh_key < best_key * (1 - _SHAPE_GAIN)
+        best_key = np.where(take, sh_key, best_key)
+        pick = np.where(take, sh, pick)
     eidx = np.zeros_like(cands[0].eidx)
     lidx = np.zeros_like(eidx)
     for i, (e_eff, cl, _, _) in enumerate(scored):
@@ -244,7 +263,8 @@ def _pick(cands: list[Candidate], rp: Replicas) -> tuple[np.ndarray, np.ndarray]
         )
         eidx[r, v] = joint
         lidx[r, v] = joint
-    return _edges_light(eidx, lidx, valid, rp.enc_w, rp.llm, m)
+    keep = np.isin(pick, np.flatnonzero(shaped)) & np.isfinite(best_key)
+    return _edges_light(eidx, lidx, valid, rp.enc_w, rp.llm, m, keep)
 
 
 def _empty_llm_set(lidx, valid, m) -> np.ndarray:
@@ -253,8 +273,9 @@ def _empty_llm_set(lidx, valid, m) -> np.ndarray:
     return (counts < 0.5).any(axis=1) & (valid.sum(axis=1) >= m)
 
 
-def _edges_light(eidx, lidx, valid, enc_w, llm, m):
-    """Reorder the microbatches of replicas without deferral so the heaviest sit in the middle.
+def _edges_light(eidx, lidx, valid, enc_w, llm, m, keep=None):
+    """Reorder the microbatches of replicas without deferral so the heaviest sit in the middle
+    (replicas in ``keep`` [R], shaped ones, are already in the order their shape wants).
 
     1F1B pays the first microbatch's forward and the last one's backward across every
     stage (fill and drain) on top of the steady state; heavy microbatches there lengthen
@@ -263,6 +284,8 @@ def _edges_light(eidx, lidx, valid, enc_w, llm, m):
     """
     r_count = llm.shape[0]
     joint = ((eidx == lidx) | ~valid).all(axis=1)
+    if keep is not None:
+        joint &= ~keep
     if not joint.any() or m < 3:
         return eidx, lidx
     tot = enc_w / max(float(enc_w[valid].mean()), 1e-30) + llm / max(

@@ -18,20 +18,29 @@ from .common import Candidate, Replicas, slot_sums
 __all__ = ["llm_sets_fill", "llm_sets_lpt", "ffd_joint", "fits_cap", "fits_patches"]
 
 
-def llm_sets_fill(rp: Replicas, eidx: np.ndarray, tol: float) -> Candidate:
+def llm_sets_fill(
+    rp: Replicas, eidx: np.ndarray, tol: float, profile: np.ndarray | None = None
+) -> Candidate:
     """LLM sets by a running target: microbatch j takes, from the samples encoded so far,
-    about ``remaining / (m - j)`` of the LLM work (largest first, under the token cap)."""
+    about ``remaining / (m - j)`` of the LLM work (largest first, under the token cap), or
+    with ``profile`` [R, m] its share ``remaining * p_j / (p_j + ... + p_{m-1})``."""
     has_enc, valid, llm, tok = rp.has_enc, rp.valid, rp.llm, rp.tok
     m, cap, budget = rp.m, rp.cap, rp.budget
     r_count, n = llm.shape
     rows = np.arange(r_count)
     big = np.iinfo(np.int64).max // 4
     cap_v = big if cap is None else cap
+    prof = np.ones((r_count, m)) if profile is None else np.asarray(profile, np.float64)
+    # what is left of the profile from j on, summed as the compiled twin sums it
+    tail = np.zeros((r_count, m))
+    for j in range(m):
+        for k in range(j, m):
+            tail[:, j] += prof[:, k]
     if compiled.enabled() and n > 0:
         from . import sets_kernel  # numba is imported with it
 
         lidx, failed = sets_kernel.fill_sets(
-            eidx, has_enc, valid, llm, tok.astype(np.int64), m, tol, cap_v,
+            eidx, has_enc, valid, llm, tok.astype(np.int64), prof, m, tol, cap_v,
             budget is not None, 0 if budget is None else budget,
         )  # fmt: skip
         return Candidate(eidx, lidx, failed)
@@ -48,7 +57,7 @@ def llm_sets_fill(rp: Replicas, eidx: np.ndarray, tol: float) -> Candidate:
             failed |= ntok > cap_v
             failed |= (~consumed & ~take).any(axis=1)
         else:
-            target = remaining / (m - j)
+            target = remaining * prof[:, j] / tail[:, j]
             take, ntok = _fill(avail, llm, tok, target * (1 + tol), cap_v)
             if budget is not None:
                 waiting = has_enc & (eidx <= j) & ~consumed & ~take

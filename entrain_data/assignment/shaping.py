@@ -1,0 +1,106 @@
+"""Level-2 candidates with light first and last microbatches ("shaped" sets).
+
+1F1B exposes two microbatches: the first one's forward runs alone through every
+stage while the pipeline fills, the last one's backward (twice the forward's
+work) alone while it drains. Every other microbatch overlaps with work on the
+other stages. Equal microbatches therefore do not give the shortest iteration:
+moving a share ``a`` of a mean microbatch's work out of the first and the last
+one into the ``m - 2`` between them shortens the fill and the drain by about
+``a`` of a stage's forward and backward, and lengthens the steady state by
+only ``2a / (m - 2)``. On a 4-stage, 16-microbatch proxy pipeline ``a = 0.1``
+shortened the iteration by 1.3-2.3% whatever stage was the bottleneck (equal
+microbatches reach the usual "ideal" time; these beat it).
+
+Balance stays the contract: the shape's CV is at most ``_SHAPE_SHARE`` of the CV
+a random equal-count cut gives (:func:`.pipeline_search.random_cut_cv`) on every
+module, so shaped sets stay several times more even than what ``sequential``
+or a cost-blind cut gives, and where some module costs the same on every sample
+there is no shaping at all (that module's sets would become uneven for nothing
+any cut could not give). A replica holding a sample heavier than a mean
+microbatch is not shaped either: its iteration is set by that sample, and the
+proxy pipeline is least faithful there (measured: real:sroie-docs at 512 / dp 4
+lost 1.3% when shaped). :func:`.entrain._pick` takes a shaped candidate only
+where the proxy pipeline rates it at least ``_SHAPE_GAIN`` faster than the best
+even one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .common import Candidate, Replicas
+from .encoder_sets import refine_vector
+from .llm_sets import fits_cap, llm_sets_fill
+from .pipeline_search import random_cut_cv
+
+__all__ = ["edge_shape", "shape_amplitude", "shaped_candidates"]
+
+_SHAPE_SHARE = 0.25  # the shape's CV, at most this share of a random cut's (every module)
+_SHAPE_MAX = 0.3  # and the edges never below 0.7 of a mean microbatch
+_SCALES = (1.0, 0.5)  # candidates at these shares of the largest allowed amplitude
+
+
+def edge_shape(m: int) -> np.ndarray:
+    """[m] the shape's direction: -1 at the first and last microbatch, the work they give
+    up spread evenly over the others (sums to zero; all zeros below 3 microbatches)."""
+    shape = np.zeros(m)
+    if m >= 3:
+        shape[[0, -1]] = -1.0
+        shape[1:-1] = 2.0 / (m - 2)
+    return shape
+
+
+def shape_amplitude(rp: Replicas) -> np.ndarray:
+    """[R] the largest share of a mean microbatch each replica's edges may give up."""
+    m, valid = rp.m, rp.valid
+    cost = np.concatenate([rp.enc_cols, rp.llm[..., None]], axis=2)  # [R, n, K]
+    c = np.where(valid[..., None], cost, 0.0)
+    used = c.sum(axis=1) > 0  # [R, K] modules with work on this replica
+    rc = random_cut_cv(cost, valid, m)
+    rc_min = np.where(used, rc, np.inf).min(axis=1)
+    rc_min = np.where(np.isfinite(rc_min), rc_min, 0.0)
+    unit = float(edge_shape(m).std())
+    if unit <= 0:
+        return np.zeros(valid.shape[0])
+    amp = np.minimum(_SHAPE_SHARE * rc_min / unit, _SHAPE_MAX)
+    mean_mb = c.sum(axis=1) / m
+    outlier = (c.max(axis=1) > np.where(used, mean_mb, np.inf)).any(axis=1)
+    return np.where(outlier, 0.0, amp)
+
+
+def shaped_candidates(
+    rp: Replicas,
+    vector_sets: np.ndarray,
+    wv: np.ndarray,
+    deferring_order: np.ndarray,
+    tolerance: float,
+    refine_iters: int,
+) -> list[Candidate]:
+    """Shaped variants of two even candidates, each with its ``profile`` (the per-microbatch
+    load share every module is balanced against):
+
+    - joint sets (E = L): the vector candidate's sets (``vector_sets`` over columns ``wv``)
+      refined toward the shaped per-bin targets (``refine_iters`` steps), every module
+      shaped;
+    - deferring sets: the LLM sets filled toward the shaped running target on the
+      encoder sets ``deferring_order`` (LLM-heaviest first: the most room to shape), the
+      LLM shaped, the encoder sets as they are.
+    """
+    m, valid = rp.m, rp.valid
+    r_count = valid.shape[0]
+    k_count = rp.enc_cols.shape[2] + 1
+    amp = shape_amplitude(rp)
+    if m < 3 or not (amp > 0).any():
+        return []
+    flat = amp <= 0  # not shaped: these replicas keep the even candidates
+    out = []
+    for scale in _SCALES:
+        prof = 1.0 + (scale * amp)[:, None] * edge_shape(m)[None, :]  # [R, m]
+        joint = vector_sets.copy()
+        refine_vector(joint, wv, valid, m, iters=refine_iters, profile=prof)
+        every = np.repeat(prof[..., None], k_count, axis=2)
+        out.append(Candidate(joint, joint, flat | ~fits_cap(rp, joint), every))
+        c = llm_sets_fill(rp, deferring_order, tolerance, prof)
+        llm_only = np.concatenate([np.ones((r_count, m, k_count - 1)), prof[..., None]], axis=2)
+        out.append(Candidate(c.eidx, c.lidx, flat | c.failed, llm_only))
+    return out
