@@ -63,15 +63,17 @@ def test_shape_cv_stays_a_small_share_of_a_random_cut():
     assert (shape_cv <= _SHAPE_SHARE * rc.min(axis=1) * (1 + 1e-9)).all()
 
 
-def test_no_shape_where_a_module_costs_the_same_on_every_sample():
-    # every image at one resolution: any shape would make the encoder sets uneven where a
-    # cost-blind equal-count cut keeps them exactly even
+def test_no_encoder_shape_where_an_encoder_costs_the_same_on_every_sample():
+    # every image at one resolution: shaped joint sets would make the encoder sets uneven
+    # where a cost-blind equal-count cut keeps them exactly even; the LLM sets alone may
+    # still be shaped (the deferring candidate leaves the encoder sets as they are)
     rng = np.random.default_rng(1)
     dp, m, n = 4, 16, 1024
     enc = np.ones((n, 1))
     llm = rng.lognormal(0, 0.5, n)
     rp = _replicas(enc, llm, (llm * 100).astype(np.int64) + 1, dp, m)
     assert not shape_amplitude(rp).any()
+    assert (shape_amplitude(rp, llm_only=True) > 0).all()
 
 
 def test_no_shape_on_a_replica_holding_a_sample_heavier_than_a_mean_microbatch():

@@ -23,6 +23,12 @@ to joint sets (E_j == L_j) packed first-fit-decreasing under the cap, so the
 invariants hold for every input the validation accepts, or a clear error says
 why the cap cannot be met.
 
+Two more candidates of each kind are *shaped* (:mod:`.shaping`): their first and last
+microbatch carry less than a mean one, because 1F1B runs the first one's forward and
+the last one's backward alone through the pipeline; equal microbatches cannot reach
+that time. The shape's CV is bounded by a quarter of a random cut's, and a shaped
+candidate must be 0.3% faster by the proxy to be taken.
+
 At every batch size the chosen sets are then refined against a
 simulated 1F1B pipeline (:mod:`.pipeline_search`): whole-sample moves that
 shorten a proxy pipeline's iteration while every module's per-microbatch CV

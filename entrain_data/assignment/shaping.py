@@ -50,14 +50,18 @@ def edge_shape(m: int) -> np.ndarray:
     return shape
 
 
-def shape_amplitude(rp: Replicas) -> np.ndarray:
-    """[R] the largest share of a mean microbatch each replica's edges may give up."""
+def shape_amplitude(rp: Replicas, llm_only: bool = False) -> np.ndarray:
+    """[R] the largest share of a mean microbatch each replica's edges may give up, with
+    every module shaped or (``llm_only``) the LLM sets alone."""
     m, valid = rp.m, rp.valid
     cost = np.concatenate([rp.enc_cols, rp.llm[..., None]], axis=2)  # [R, n, K]
     c = np.where(valid[..., None], cost, 0.0)
     used = c.sum(axis=1) > 0  # [R, K] modules with work on this replica
+    shaped = used.copy()
+    if llm_only:
+        shaped[:, :-1] = False
     rc = random_cut_cv(cost, valid, m)
-    rc_min = np.where(used, rc, np.inf).min(axis=1)
+    rc_min = np.where(shaped, rc, np.inf).min(axis=1)
     rc_min = np.where(np.isfinite(rc_min), rc_min, 0.0)
     unit = float(edge_shape(m).std())
     if unit <= 0:
@@ -84,23 +88,28 @@ def shaped_candidates(
       shaped;
     - deferring sets: the LLM sets filled toward the shaped running target on the
       encoder sets ``deferring_order`` (LLM-heaviest first: the most room to shape), the
-      LLM shaped, the encoder sets as they are.
+      LLM shaped, the encoder sets as they are (so only the LLM's random-cut CV bounds
+      the shape: an encoder that costs the same on every sample does not forbid it).
     """
     m, valid = rp.m, rp.valid
     r_count = valid.shape[0]
     k_count = rp.enc_cols.shape[2] + 1
-    amp = shape_amplitude(rp)
-    if m < 3 or not (amp > 0).any():
+    if m < 3:
         return []
-    flat = amp <= 0  # not shaped: these replicas keep the even candidates
+    amp, amp_llm = shape_amplitude(rp), shape_amplitude(rp, llm_only=True)
+    shape = edge_shape(m)[None, :]
     out = []
     for scale in _SCALES:
-        prof = 1.0 + (scale * amp)[:, None] * edge_shape(m)[None, :]  # [R, m]
-        joint = vector_sets.copy()
-        refine_vector(joint, wv, valid, m, iters=refine_iters, profile=prof)
-        every = np.repeat(prof[..., None], k_count, axis=2)
-        out.append(Candidate(joint, joint, flat | ~fits_cap(rp, joint), every))
-        c = llm_sets_fill(rp, deferring_order, tolerance, prof)
-        llm_only = np.concatenate([np.ones((r_count, m, k_count - 1)), prof[..., None]], axis=2)
-        out.append(Candidate(c.eidx, c.lidx, flat | c.failed, llm_only))
+        if (amp > 0).any():
+            prof = 1.0 + (scale * amp)[:, None] * shape  # [R, m]
+            joint = vector_sets.copy()
+            refine_vector(joint, wv, valid, m, iters=refine_iters, profile=prof)
+            every = np.repeat(prof[..., None], k_count, axis=2)
+            # replicas without room keep the even candidates
+            out.append(Candidate(joint, joint, (amp <= 0) | ~fits_cap(rp, joint), every))
+        if (amp_llm > 0).any():
+            prof = 1.0 + (scale * amp_llm)[:, None] * shape
+            c = llm_sets_fill(rp, deferring_order, tolerance, prof)
+            llm = np.concatenate([np.ones((r_count, m, k_count - 1)), prof[..., None]], axis=2)
+            out.append(Candidate(c.eidx, c.lidx, (amp_llm <= 0) | c.failed, llm))
     return out
