@@ -293,6 +293,8 @@ def refine_by_pipeline(
         # a time refinement: it never raises the largest encoder set level 2 built (the
         # activation-memory peak), the cap bounds level 2 itself
         p_cap = np.minimum(p_cap, p_load.max(axis=(0, 1)))
+    if cap is not None and t_load.size:  # nor the largest LLM set, where memory is capped
+        cap_v = min(cap_v, int(t_load.max()))
     state = (fwd, bwd, mod, t_load, l_count, p_load, waiting, cur)
     per_sample = (eidx, lidx, has_enc, tok.astype(np.int64), wait_tok, p_samp, ef, lf, lb)
     idle = 0
