@@ -18,6 +18,17 @@ from entrain_data.workloads import synthesize
 KEEPING = ("megatron_dp_balanced", "verl_kk", "orchmllm", "disttrain")
 
 
+def workload_on_stages(workload: str, encoders: list[str], b: int, seed: int):
+    """A synthetic batch's per-sample costs under a 1B model, and its per-stage costs on the
+    4-stage layout whose busiest stage is lightest (the bench's layout)."""
+    model = ModelSpec.from_names(encoders, "llama-3.2-1b")
+    costs = per_sample_costs(synthesize(workload, b, seed=seed), model)
+    units = layer_units(model, costs, np.arange(b)[None, :])
+    layouts = [st for k in range(4) if (st := stages_for(model, units, 4, k)) is not None]
+    stages = min(layouts, key=lambda st: max(s.expected_load for s in st))
+    return costs, stage_sample_costs(costs, stages)
+
+
 def _deviation(bins, w, valid, m):
     """Sum over rows, bins and columns of the squared load over the per-bin target, minus 1."""
     out = 0.0
@@ -76,13 +87,8 @@ def test_nearly_perfect_candidates_are_picked_by_time(seed):
     # text-heavy mix, 16 samples a microbatch: every candidate's CVs are near 0.01, so the
     # relative balance band chose between squared CVs of 0.001 and 0.002 and gave up 5-8%
     # of iteration time to orchmllm and disttrain; the absolute floor lets time decide
-    model = ModelSpec.from_names(["qwen2.5-vl-vision"], "llama-3.2-1b")
     b, dp, m = 2048, 8, 16
-    costs = per_sample_costs(synthesize("text-heavy", b, seed=seed), model)
-    units = layer_units(model, costs, np.arange(b)[None, :])
-    layouts = [st for k in range(4) if (st := stages_for(model, units, 4, k)) is not None]
-    stages = min(layouts, key=lambda st: max(s.expected_load for s in st))
-    per_stage = stage_sample_costs(costs, stages)
+    costs, per_stage = workload_on_stages("text-heavy", ["qwen2.5-vl-vision"], b, seed)
     enc, llm, tok = costs.encoder_cost(), costs.llm_cost(), costs.llm_tokens
     budget = int(2 * tok.sum() / (dp * m))
 

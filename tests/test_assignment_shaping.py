@@ -2,31 +2,27 @@
 
 What the shape must give (a shorter simulated iteration than equal microbatches, on the
 bench's own stage layout) and what it must never cost (balance: every module's CV stays
-far below a random cut's; nothing shaped where some module costs the same on every sample
-or where one sample outweighs a mean microbatch).
+far below a random cut's; no module shaped that costs the same on every sample,
+no replica shaped where one sample outweighs a mean microbatch).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_assignment_pick import workload_on_stages
 
 from entrain_data.assignment import assign, check_assignment
 from entrain_data.assignment.common import Inputs
 from entrain_data.assignment.entrain import replicas_of
 from entrain_data.assignment.pipeline_search import random_cut_cv
 from entrain_data.assignment.shaping import _SHAPE_SHARE, edge_shape, shape_amplitude
-from entrain_data.cost_model import per_sample_costs
 from entrain_data.metrics import microbatch_loads
-from entrain_data.plan_layout import layer_units, stages_for
-from entrain_data.presets import ModelSpec
 from entrain_data.simulator import (
     ideal_iteration_time,
     simulate_pipeline,
-    stage_sample_costs,
     times_from_sample_costs,
 )
-from entrain_data.workloads import synthesize
 
 
 def _replicas(enc, llm, tok, dp, m):
@@ -96,13 +92,8 @@ def test_no_shape_on_a_replica_holding_a_sample_heavier_than_a_mean_microbatch()
 def test_shaped_sets_beat_equal_microbatches_and_stay_balanced(workload, model):
     # light-tailed mixes, 16 samples a microbatch: equal microbatches reach the "ideal"
     # (every microbatch at its stage's mean); light edges beat it on the bench's layout
-    spec = ModelSpec.from_names(model, "llama-3.2-1b")
     b, dp, m = 2048, 8, 16
-    costs = per_sample_costs(synthesize(workload, b, seed=5), spec)
-    units = layer_units(spec, costs, np.arange(b)[None, :])
-    layouts = [st for k in range(4) if (st := stages_for(spec, units, 4, k)) is not None]
-    stages = min(layouts, key=lambda st: max(s.expected_load for s in st))
-    per_stage = stage_sample_costs(costs, stages)
+    costs, per_stage = workload_on_stages(workload, model, b, seed=5)
     enc, llm, tok = costs.encoder_cost(), costs.llm_cost(), costs.llm_tokens
     budget = int(2 * tok.sum() / (dp * m))
     runs = {}
