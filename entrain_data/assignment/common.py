@@ -125,7 +125,7 @@ class Candidate:
     eidx: np.ndarray  # [R, n] encoder microbatch, -1 pads
     lidx: np.ndarray  # [R, n] LLM microbatch, -1 pads
     failed: np.ndarray  # [R] bool
-    profile: np.ndarray | None = None  # [m] intended per-microbatch load share (None: even)
+    profile: np.ndarray | None = None  # [R, m, K] intended load share per module (None: even)
 
 
 def slot_sums(idx: np.ndarray, values: np.ndarray, valid: np.ndarray, m: int) -> np.ndarray:

@@ -13,15 +13,15 @@ microbatches reach the usual "ideal" time; these beat it).
 
 Balance stays the contract: the shape's CV is at most ``_SHAPE_SHARE`` of the CV
 a random equal-count cut gives (:func:`.pipeline_search.random_cut_cv`) on every
-module, so shaped sets stay several times more even than what ``sequential``
-or a cost-blind cut gives, and where some module costs the same on every sample
-there is no shaping at all (that module's sets would become uneven for nothing
-any cut could not give). A replica holding a sample heavier than a mean
-microbatch is not shaped either: its iteration is set by that sample, and the
-proxy pipeline is least faithful there (measured: real:sroie-docs at 512 / dp 4
-lost 1.3% when shaped). :func:`.entrain._pick` takes a shaped candidate only
-where the proxy pipeline rates it at least ``_SHAPE_GAIN`` faster than the best
-even one.
+module it shapes (all of them for joint sets, the LLM alone for deferring ones), so
+shaped sets stay several times more even than what ``sequential`` or a cost-blind
+cut gives; a module that costs the same on every sample is never shaped (its sets
+would become uneven where any equal-count cut keeps them even). A replica holding
+a sample heavier than a mean microbatch is not shaped either: its iteration is set
+by that sample, and the proxy pipeline is least faithful there (measured:
+real:sroie-docs/vla-3b at 512 / dp 4 lost 1.3% when shaped). :func:`.entrain._pick`
+takes a shaped candidate only where the proxy pipeline rates it at least
+``_SHAPE_GAIN`` faster than the best even one.
 """
 
 from __future__ import annotations
