@@ -35,7 +35,7 @@ from .pipeline_search import random_cut_cv
 
 __all__ = ["edge_shape", "shape_amplitude", "shaped_candidates"]
 
-_SHAPE_SHARE = 0.25  # the shape's CV, at most this share of a random cut's (every module)
+_SHAPE_SHARE = 0.25  # the shape's CV, at most this share of a random cut's (each module it shapes)
 _SHAPE_MAX = 0.3  # and the edges never below 0.7 of a mean microbatch
 _SCALES = (1.0, 0.5)  # candidates at these shares of the largest allowed amplitude
 
