@@ -253,7 +253,8 @@ class SegmentReader:
 
     def __init__(self, root: str | None) -> None:
         self.root = os.path.realpath(root) if root else None
-        self.files: OrderedDict[str, tuple[int, mmap.mmap]] = OrderedDict()  # fd, flag page
+        # fd, flag page, size (a segment never changes size once its worker made it)
+        self.files: OrderedDict[str, tuple[int, mmap.mmap, int]] = OrderedDict()
 
     def _check(self, shm: Any) -> tuple[str, list[Any], int]:
         if self.root is None or not isinstance(shm, dict):
@@ -271,8 +272,8 @@ class SegmentReader:
             raise ProtocolError(f"shared microbatch {path!r} is outside {self.root!r}")
         return real, offsets, reader
 
-    def _open(self, path: str) -> tuple[int, mmap.mmap] | None:
-        """The segment's descriptor and flag page; None when it no longer exists (its worker
+    def _open(self, path: str) -> tuple[int, mmap.mmap, int] | None:
+        """The segment's descriptor, flag page and size; None when it no longer exists (its worker
         died and the coordinator removed its segments while this header was on its way)."""
         got = self.files.pop(path, None)
         if got is None:
@@ -282,10 +283,11 @@ class SegmentReader:
                 return None
             except OSError as exc:
                 raise ProtocolError(f"shared microbatch {path!r}: {exc.strerror}") from None
-            if os.fstat(fd).st_size < HEAD:
+            size = os.fstat(fd).st_size
+            if size < HEAD:
                 os.close(fd)
                 raise ProtocolError(f"shared microbatch {path!r}: no flag page")
-            got = (fd, mmap.mmap(fd, HEAD))
+            got = (fd, mmap.mmap(fd, HEAD), size)
         self.files[path] = got  # most recently used last
         while len(self.files) > _MAX_FILES:
             os.close(self.files.popitem(last=False)[1][0])  # its flag page stays mapped
@@ -309,8 +311,7 @@ class SegmentReader:
         got = self._open(path)
         if got is None:
             return None
-        fd, flags = got
-        size = os.fstat(fd).st_size
+        fd, flags, size = got
         spans = []
         for spec, off in zip(specs, offsets):
             nbytes = spec[3] if isinstance(spec, list) and len(spec) == 4 else None

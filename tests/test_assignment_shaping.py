@@ -16,7 +16,7 @@ from entrain_data.assignment import assign, check_assignment
 from entrain_data.assignment.common import Inputs
 from entrain_data.assignment.entrain import replicas_of
 from entrain_data.assignment.pipeline_search import random_cut_cv
-from entrain_data.assignment.shaping import _SHAPE_SHARE, edge_shape, shape_amplitude
+from entrain_data.assignment.shaping import _SHAPE_SHARE, edge_shape, shape_amplitudes
 from entrain_data.metrics import microbatch_loads
 from entrain_data.simulator import (
     ideal_iteration_time,
@@ -52,7 +52,7 @@ def test_shape_cv_stays_a_small_share_of_a_random_cut():
     llm = rng.lognormal(0, 0.5, n)
     tok = (llm * 100).astype(np.int64) + 1
     rp = _replicas(enc, llm, tok, dp, m)
-    amp = shape_amplitude(rp)
+    amp, _ = shape_amplitudes(rp)
     assert (amp > 0).all()
     rc = random_cut_cv(np.concatenate([rp.enc_cols, rp.llm[..., None]], axis=2), rp.valid, m)
     shape_cv = amp * edge_shape(m).std()
@@ -68,8 +68,9 @@ def test_no_encoder_shape_where_an_encoder_costs_the_same_on_every_sample():
     enc = np.ones((n, 1))
     llm = rng.lognormal(0, 0.5, n)
     rp = _replicas(enc, llm, (llm * 100).astype(np.int64) + 1, dp, m)
-    assert not shape_amplitude(rp).any()
-    assert (shape_amplitude(rp, llm_only=True) > 0).all()
+    every, llm_only = shape_amplitudes(rp)
+    assert not every.any()
+    assert (llm_only > 0).all()
 
 
 def test_no_shape_on_a_replica_holding_a_sample_heavier_than_a_mean_microbatch():
@@ -79,9 +80,9 @@ def test_no_shape_on_a_replica_holding_a_sample_heavier_than_a_mean_microbatch()
     llm = rng.lognormal(0, 0.5, n)
     llm[5] = llm.sum() / (dp * m) * 3  # replica 0's outlier
     rp = _replicas(enc, llm, (llm * 100).astype(np.int64) + 1, dp, m)
-    amp = shape_amplitude(rp)
-    assert amp[0] == 0.0
-    assert (amp[1:] > 0).all()
+    for amp in shape_amplitudes(rp):
+        assert amp[0] == 0.0
+        assert (amp[1:] > 0).all()
 
 
 @pytest.mark.parametrize(("workload", "model"), [

@@ -31,7 +31,7 @@ def llm_sets_fill(
     big = np.iinfo(np.int64).max // 4
     cap_v = big if cap is None else cap
     prof = np.ones((r_count, m)) if profile is None else np.asarray(profile, np.float64)
-    # what is left of the profile from j on, summed as the compiled twin sums it
+    # what is left of the profile from j on (both paths divide by these same sums)
     tail = np.zeros((r_count, m))
     for j in range(m):
         for k in range(j, m):
@@ -40,7 +40,7 @@ def llm_sets_fill(
         from . import sets_kernel  # numba is imported with it
 
         lidx, failed = sets_kernel.fill_sets(
-            eidx, has_enc, valid, llm, tok.astype(np.int64), prof, m, tol, cap_v,
+            eidx, has_enc, valid, llm, tok.astype(np.int64), prof, tail, m, tol, cap_v,
             budget is not None, 0 if budget is None else budget,
         )  # fmt: skip
         return Candidate(eidx, lidx, failed)

@@ -208,17 +208,18 @@ def refine_slowest(
     where one replica holds the iteration's outliers, its search otherwise ends
     under-explored (text-heavy/vl-1b-1280 at 8192 / dp 128: 1.1% of iteration time)."""
     r_count = rp.llm.shape[0]
+    if r_count <= _LAST_FOCUS:
+        return refine_by_pipeline(rp, eidx, lidx, rng)
     stage = _per_stage(rp.enc_cols, rp.llm, rp.valid, rp.frozen)
     if r_count <= _FOCUS:
         eidx, lidx = refine_by_pipeline(rp, eidx, lidx, rng)
     else:
         eidx, lidx = _focused_passes(rp, eidx, lidx, rng, stage)
-    if r_count > _LAST_FOCUS:
-        eidx, lidx = eidx.copy(), lidx.copy()
-        cur = proxy_times(rp, eidx, lidx, stage)
-        act = np.sort(np.argsort(-cur, kind="stable")[:_LAST_FOCUS])
-        e_a, l_a = refine_by_pipeline(rp.take(act), eidx[act], lidx[act], rng, _LAST_ROUNDS)
-        eidx[act], lidx[act] = e_a, l_a
+    eidx, lidx = eidx.copy(), lidx.copy()
+    cur = proxy_times(rp, eidx, lidx, stage)
+    act = np.sort(np.argsort(-cur, kind="stable")[:_LAST_FOCUS])
+    e_a, l_a = refine_by_pipeline(rp.take(act), eidx[act], lidx[act], rng, _LAST_ROUNDS)
+    eidx[act], lidx[act] = e_a, l_a
     return eidx, lidx
 
 

@@ -67,7 +67,7 @@ def _fill_row(avail, cost, tok, limit, cap, take, fills):
 
 
 @jit
-def fill_sets(eidx, has_enc, valid, llm, tok, prof, m, tol, cap, use_budget, budget):
+def fill_sets(eidx, has_enc, valid, llm, tok, prof, tail, m, tol, cap, use_budget, budget):
     """[R, n] LLM microbatch and [R] failed of :func:`.llm_sets.llm_sets_fill`."""
     r_count, n = llm.shape
     lidx = np.full((r_count, n), -1, np.int64)
@@ -96,10 +96,7 @@ def fill_sets(eidx, has_enc, valid, llm, tok, prof, m, tol, cap, use_budget, bud
                 if ntok > cap:
                     failed[r] = True
             else:
-                rest = 0.0
-                for k in range(j, m):
-                    rest += prof[r, k]
-                target = remaining * prof[r, j] / rest
+                target = remaining * prof[r, j] / tail[r, j]
                 ntok = _fill_row(avail, llm[r], tok[r], target * (1 + tol), cap, take, 3)
                 if use_budget:
                     buffered = 0

@@ -33,7 +33,7 @@ from .encoder_sets import refine_vector
 from .llm_sets import fits_cap, llm_sets_fill
 from .pipeline_search import random_cut_cv
 
-__all__ = ["edge_shape", "shape_amplitude", "shaped_candidates"]
+__all__ = ["edge_shape", "shape_amplitudes", "shaped_candidates"]
 
 _SHAPE_SHARE = 0.25  # the shape's CV, at most this share of a random cut's (each module it shapes)
 _SHAPE_MAX = 0.3  # and the edges never below 0.7 of a mean microbatch
@@ -50,26 +50,27 @@ def edge_shape(m: int) -> np.ndarray:
     return shape
 
 
-def shape_amplitude(rp: Replicas, llm_only: bool = False) -> np.ndarray:
+def shape_amplitudes(rp: Replicas) -> tuple[np.ndarray, np.ndarray]:
     """[R] the largest share of a mean microbatch each replica's edges may give up, with
-    every module shaped or (``llm_only``) the LLM sets alone."""
+    every module shaped, and with the LLM sets alone."""
     m, valid = rp.m, rp.valid
+    r_count = valid.shape[0]
+    unit = float(edge_shape(m).std())
+    if unit <= 0:
+        return np.zeros(r_count), np.zeros(r_count)
     cost = np.concatenate([rp.enc_cols, rp.llm[..., None]], axis=2)  # [R, n, K]
     c = np.where(valid[..., None], cost, 0.0)
     used = c.sum(axis=1) > 0  # [R, K] modules with work on this replica
-    shaped = used.copy()
-    if llm_only:
-        shaped[:, :-1] = False
-    rc = random_cut_cv(cost, valid, m)
-    rc_min = np.where(shaped, rc, np.inf).min(axis=1)
-    rc_min = np.where(np.isfinite(rc_min), rc_min, 0.0)
-    unit = float(edge_shape(m).std())
-    if unit <= 0:
-        return np.zeros(valid.shape[0])
-    amp = np.minimum(_SHAPE_SHARE * rc_min / unit, _SHAPE_MAX)
+    rc = np.where(used, random_cut_cv(cost, valid, m), np.inf)
     mean_mb = c.sum(axis=1) / m
     outlier = (c.max(axis=1) > np.where(used, mean_mb, np.inf)).any(axis=1)
-    return np.where(outlier, 0.0, amp)
+
+    def amplitude(rc_min: np.ndarray) -> np.ndarray:
+        rc_min = np.where(np.isfinite(rc_min), rc_min, 0.0)
+        amp = np.minimum(_SHAPE_SHARE * rc_min / unit, _SHAPE_MAX)
+        return np.where(outlier, 0.0, amp)
+
+    return amplitude(rc.min(axis=1)), amplitude(rc[:, -1])
 
 
 def shaped_candidates(
@@ -96,7 +97,7 @@ def shaped_candidates(
     k_count = rp.enc_cols.shape[2] + 1
     if m < 3:
         return []
-    amp, amp_llm = shape_amplitude(rp), shape_amplitude(rp, llm_only=True)
+    amp, amp_llm = shape_amplitudes(rp)
     shape = edge_shape(m)[None, :]
     out = []
     for scale in _SCALES:
