@@ -32,7 +32,7 @@ from entrain_data.adapters.reference_model import (
     synthetic_samples,
 )
 
-from entrain_data.assignment import assign
+from entrain_data.assignment import Assignment, assign, check_assignment
 from entrain_data.batch import Microbatch
 
 __all__ = [
@@ -138,25 +138,39 @@ def global_batches(steps: int, seed: int = 1) -> list[list[SyntheticSample]]:
     ]
 
 
-def replica_microbatches(
+def entrain_assignment(
     batch: list[SyntheticSample], iteration: int, dp: int, microbatches: int
-) -> list[list[Microbatch]]:
-    """Entrain's assignment of ``batch``: per replica, its microbatches in order."""
+) -> Assignment:
+    """Entrain's assignment of ``batch``. Where a replica defers nothing (entrain picks
+    joint sets where they are faster), its smallest encoded sample in a microbatch shared
+    with another is consumed one microbatch later: the adapters' deferral path runs on
+    every rank whatever the assignment chose."""
     enc = np.array([s.encoder_tokens**1.5 for s in batch], dtype=float)
     llm = np.array([s.llm_tokens for s in batch], dtype=float)
     tokens = np.array([s.llm_tokens for s in batch], dtype=np.int64)
+    budget = 10_000
     a = assign(
         enc,
         llm,
         tokens,
         dp=dp,
         microbatches=microbatches,
-        defer_budget=10_000,
+        defer_budget=budget,
         seed=0,
         iteration=iteration,
     )
-    samples = {s.key: s for s in batch}
+    a = _defer_one_per_replica(a, enc, tokens)
+    check_assignment(a, len(batch), tokens, None, budget)
+    return a
+
+
+def replica_microbatches(
+    batch: list[SyntheticSample], iteration: int, dp: int, microbatches: int
+) -> list[list[Microbatch]]:
+    """:func:`entrain_assignment` of ``batch``: per replica, its microbatches in order."""
+    a = entrain_assignment(batch, iteration, dp, microbatches)
     keys = [s.key for s in batch]
+    samples = {s.key: s for s in batch}
     return [
         [
             pack_microbatch(
@@ -171,6 +185,27 @@ def replica_microbatches(
         ]
         for r in range(dp)
     ]
+
+
+def _defer_one_per_replica(a: Assignment, enc: np.ndarray, tokens: np.ndarray) -> Assignment:
+    """``a`` with, on each replica that defers nothing, the smallest encoded sample (by
+    tokens) of a microbatch that holds another consumed one microbatch later."""
+    llm_sets = [[s.copy() for s in row] for row in a.llm_sets]
+    for r, row in enumerate(a.encoder_sets):
+        if any(np.setdiff1d(e, lset).size for e, lset in zip(row, llm_sets[r])):
+            continue
+        movable = [
+            (int(tokens[i]), j, int(i))
+            for j in range(a.microbatches - 1)
+            if len(llm_sets[r][j]) > 1
+            for i in llm_sets[r][j]
+            if enc[i] > 0
+        ]
+        if movable:
+            _, j, i = min(movable)
+            llm_sets[r][j] = llm_sets[r][j][llm_sets[r][j] != i]
+            llm_sets[r][j + 1] = np.sort(np.append(llm_sets[r][j + 1], i))
+    return Assignment(a.method, a.dp, a.microbatches, a.encoder_sets, llm_sets, a.carried)
 
 
 def count_deferred(mbs: list[Microbatch]) -> int:

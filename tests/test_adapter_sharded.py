@@ -30,6 +30,7 @@ from _dist import (
     LR,
     assert_params_close,
     bf16_noise,
+    entrain_assignment,
     global_batches,
     make_model,
     one_thread,
@@ -74,17 +75,10 @@ def test_service_calls_equal_the_all_reduce_fallback() -> None:
     adapters' fallback, the union of every replica's own call groups, and always has (j, j)."""
     import numpy as np
 
-    from entrain_data.assignment import assign
     from entrain_data.encoder_calls import calls_from_groups, encoder_calls
 
     for it, batch in enumerate(global_batches(STEPS)):
-        enc = np.array([s.encoder_tokens**1.5 for s in batch], dtype=float)
-        llm = np.array([s.llm_tokens for s in batch], dtype=float)
-        tok = np.array([s.llm_tokens for s in batch], dtype=np.int64)
-        a = assign(
-            enc, llm, tok, dp=2, microbatches=MICROBATCHES, defer_budget=10_000, seed=0,
-            iteration=it,
-        )  # fmt: skip
+        a = entrain_assignment(batch, it, 2, MICROBATCHES)
         uses = {
             "vision": np.array([s.grids.shape[0] > 0 for s in batch]),
             "audio": np.array([s.audio_lengths.numel() > 0 for s in batch]),
@@ -102,7 +96,6 @@ def test_service_meta_calls_equal_across_replicas_and_keep_the_gradient() -> Non
     gradient of the unbalanced run (fp32, the suite's 2e-5)."""
     import numpy as np
 
-    from entrain_data.assignment import assign
     from entrain_data.encoder_calls import ENCODER_CALLS_KEY, encoder_calls
 
     model = make_model()
@@ -111,13 +104,7 @@ def test_service_meta_calls_equal_across_replicas_and_keep_the_gradient() -> Non
     for kind in ("vision", "audio"):
         getattr(model, kind).register_forward_hook(lambda *_, kind=kind: seen.append(kind))
     for it, batch in enumerate(global_batches(STEPS)):
-        enc = np.array([s.encoder_tokens**1.5 for s in batch], dtype=float)
-        llm = np.array([s.llm_tokens for s in batch], dtype=float)
-        tok = np.array([s.llm_tokens for s in batch], dtype=np.int64)
-        a = assign(
-            enc, llm, tok, dp=2, microbatches=MICROBATCHES, defer_budget=10_000, seed=0,
-            iteration=it,
-        )  # fmt: skip
+        a = entrain_assignment(batch, it, 2, MICROBATCHES)
         uses = {
             "vision": np.array([s.grids.shape[0] > 0 for s in batch]),
             "audio": np.array([s.audio_lengths.numel() > 0 for s in batch]),

@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from entrain_data.assignment import CAP_AWARE, DEFERRING, METHODS, assign, check_assignment
-from entrain_data.assignment.pipeline_search import cv_limits
+from entrain_data.assignment.entrain import _STRAGGLER_CV
+from entrain_data.assignment.pipeline_search import cv_limits, random_cut_cv
 from entrain_data.errors import InvalidInput
 
 
@@ -131,8 +132,12 @@ def test_entrain_encoder_sets_reach_the_whole_sample_bound_on_heavy_tails():
         lpt = bound * 1.05 + 1e-3
         mine = np.concatenate(a.encoder_sets[r])
         cost = np.stack([enc[mine], tokens[mine] * 1e-4], axis=1)[None]
-        limit = cv_limits(np.array([[lpt, 0.0]]), cost, np.ones((1, len(mine)), bool), 32)
-        assert loads.std() / loads.mean() <= limit[0, 0]
+        valid = np.ones((1, len(mine)), bool)
+        limit = cv_limits(np.array([[lpt, 0.0]]), cost, valid, 32)[0, 0]
+        # or, on a replica slower than the others can be, the faster candidate the
+        # straggler rule takes: every module within 3/4 of a random cut's CV
+        limit = max(limit, _STRAGGLER_CV * random_cut_cv(cost, valid, 32)[0, 0])
+        assert loads.std() / loads.mean() <= limit
 
 
 class _Deferred:

@@ -42,7 +42,10 @@ this module builds the level-2 candidates, scores them and picks one per replica
 among the candidates balanced within a stated share of the best (the sum of squared
 per-module CVs), the one with the shortest proxy 1F1B iteration
 (:func:`.pipeline_search.proxy_times`), or one balanced in absolute terms (every CV
-small) where it is more than 1% faster (see :func:`_pick`). There is no batch-size
+small) where it is more than 1% faster (see :func:`_pick`). Balance first is right for
+every replica but the slowest, which set the iteration time: a replica slower than the
+slowest one's best reach takes the best-balanced candidate that reaches it, every
+module's CV within 3/4 of a random cut's (:func:`_stragglers`). There is no batch-size
 threshold: every size builds every candidate and runs the search (vectorised over
 replicas; the search's work is bounded at any dp: with many replicas it searches the
 slowest ones, which set the iteration time, see :func:`.pipeline_search.refine_slowest`).
@@ -62,7 +65,7 @@ from .encoder_sets import (
     vector_bins,
 )
 from .llm_sets import ffd_joint, fits_cap, fits_patches, llm_sets_fill, llm_sets_lpt
-from .pipeline_search import _per_stage, proxy_times, refine_slowest
+from .pipeline_search import _per_stage, proxy_times, random_cut_cv, refine_slowest
 from .replica_split import fit_caps, norm_columns, split_replicas
 from .shaping import shaped_candidates
 
@@ -80,6 +83,14 @@ _ENC_SLACK = 0.10  # a candidate's encoder CV may exceed the LPT sets' by this s
 _TIME_GAIN = 0.01
 _GOOD_SCORE = 0.005  # balanced enough: a root-sum-square CV over the modules of 0.07
 _GOOD_ENC_CV = 0.02  # and every encoder column's CV at most this
+# the second joint vector candidate weighs every encoder column this many times the LLM
+# and tokens: where encoder work is a count (every clip padded to 30 s) the first one
+# evens the LLM at the encoder's cost, deferral evens both but piles encoder backward
+# into the last L sets (common-voice-ps at 4096 / dp 16: 1.5% slower than either)
+_ENC_FIRST = 4
+# a replica slower than the others can be may take a less even candidate, each module's
+# CV within this share of a random equal-count cut's (see _stragglers)
+_STRAGGLER_CV = 0.75
 _VECTOR_ROUNDS = 4  # refine_vector steps per microbatch on the vector candidate
 # a shaped candidate (light first and last microbatch, :mod:`.shaping`) must be this much
 # faster by the proxy than the best even one: below it, even sets are worth more than
@@ -179,12 +190,25 @@ def _candidates(rp: Replicas, tolerance: float) -> list[Candidate]:
     # (before refine_vector existed): they are not built.
     tokf = rp.tok[..., None].astype(np.float64)
     wv = np.concatenate([rp.enc_cols, rp.llm[..., None], tokf], axis=2)
-    vb = vector_bins(wv, valid, m)
-    refine_vector(vb, wv, valid, m, iters=_VECTOR_ROUNDS * m)
+    vb = _vector_sets(rp, wv)
     cands += shaped_candidates(rp, vb, wv, eidx_d, tolerance, _VECTOR_ROUNDS * m)
-    vb = order_by_llm(vb, valid, rp.llm, m)
-    cands.append(Candidate(vb, vb, ~fits_cap(rp, vb)))
+    cands.append(_joint(rp, order_by_llm(vb, valid, rp.llm, m)))
+    # the same with the encoder columns weighed _ENC_FIRST times (see there)
+    wx = np.concatenate([rp.enc_cols] * _ENC_FIRST + [rp.llm[..., None], tokf], axis=2)
+    cands.append(_joint(rp, order_by_llm(_vector_sets(rp, wx), valid, rp.llm, m)))
     return cands
+
+
+def _vector_sets(rp: Replicas, w: np.ndarray) -> np.ndarray:
+    """[R, n] joint sets balancing every column of ``w`` [R, n, D] (vector LPT, refined)."""
+    bins = vector_bins(w, rp.valid, rp.m)
+    refine_vector(bins, w, rp.valid, rp.m, iters=_VECTOR_ROUNDS * rp.m)
+    return bins
+
+
+def _joint(rp: Replicas, bins: np.ndarray) -> Candidate:
+    """Joint sets (E == L), failed where they break the token cap."""
+    return Candidate(bins, bins, ~fits_cap(rp, bins))
 
 
 def _pick(cands: list[Candidate], rp: Replicas) -> tuple[np.ndarray, np.ndarray]:
@@ -250,6 +274,7 @@ def _pick(cands: list[Candidate], rp: Replicas) -> tuple[np.ndarray, np.ndarray]
         take = sh_key < best_key * (1 - _SHAPE_GAIN)
         best_key = np.where(take, sh_key, best_key)
         pick = np.where(take, sh, pick)
+    pick, best_key = _stragglers(rp, scored, keys, pick, best_key)
     eidx = np.zeros_like(cands[0].eidx)
     lidx = np.zeros_like(eidx)
     for i, (e_eff, cl, _, _) in enumerate(scored):
@@ -271,6 +296,53 @@ def _pick(cands: list[Candidate], rp: Replicas) -> tuple[np.ndarray, np.ndarray]
         lidx[r, v] = joint
     keep = np.isin(pick, np.flatnonzero(shaped)) & np.isfinite(best_key)
     return _edges_light(eidx, lidx, valid, rp.enc_w, rp.llm, m, keep)
+
+
+def _stragglers(rp: Replicas, scored, keys, pick, best_key):
+    """[R] pick and proxy time, revised where the slowest replicas can be faster.
+
+    The iteration lasts as long as its slowest replica, so balance first is right for
+    every replica but those that set the time. The floor is the slowest replica's best
+    reach: the largest over replicas of the shortest proxy time among its own pick and
+    the candidates whose every module keeps its per-microbatch CV within ``_STRAGGLER_CV``
+    of a random equal-count cut's. A replica whose pick is slower than the floor takes,
+    of the candidates that reach it within that bound, the best balanced (lowest score);
+    the others keep their pick. Where the slowest replica cannot be faster nothing changes.
+    """
+    rc = random_cut_cv(np.concatenate([rp.enc_cols, rp.llm[..., None]], axis=2), rp.valid, rp.m)
+    stage = None
+    times = np.full((len(scored), len(pick)), np.inf)
+    for i, (e_eff, cl, sc, _) in enumerate(scored):
+        ok = np.isfinite(sc)
+        if ok.any():
+            ok &= (_module_cv(rp, e_eff, cl) <= _STRAGGLER_CV * rc + 1e-12).all(axis=1)
+        if not ok.any():
+            continue
+        if not np.isfinite(keys[i][ok]).all():  # outside the balance band: not priced yet
+            if stage is None:
+                stage = _per_stage(rp.enc_cols, rp.llm, rp.valid, rp.frozen)
+            keys[i] = np.where(np.isfinite(keys[i]), keys[i], proxy_times(rp, e_eff, cl, stage))
+        times[i] = np.where(ok, keys[i], np.inf)
+    reach = np.minimum(times.min(axis=0), best_key)
+    if not np.isfinite(reach).any():
+        return pick, best_key
+    floor = float(reach[np.isfinite(reach)].max())
+    score = np.array([sc for _, _, sc, _ in scored])
+    by_score = np.where(times <= floor * (1 + 1e-9), score, np.inf)
+    alt = by_score.argmin(axis=0)
+    slow = np.isfinite(best_key) & (best_key > floor * (1 + 1e-6))
+    sw = slow & np.isfinite(by_score.min(axis=0))
+    return np.where(sw, alt, pick), np.where(sw, times[alt, np.arange(len(pick))], best_key)
+
+
+def _module_cv(rp: Replicas, e_eff, lidx) -> np.ndarray:
+    """[R, K] per-microbatch CV of each encoder column (E sets) and the LLM (L sets)."""
+    m, valid = rp.m, rp.valid
+    e_loads = slot_sums(e_eff, rp.enc_cols, valid & (e_eff >= 0), m)
+    l_loads = slot_sums(lidx, rp.llm, valid & (lidx >= 0), m)[..., None]
+    loads = np.concatenate([e_loads, l_loads], axis=2)
+    mean = loads.mean(axis=1)
+    return np.where(mean > 0, loads.std(axis=1) / np.where(mean > 0, mean, 1.0), 0.0)
 
 
 def _empty_llm_set(lidx, valid, m) -> np.ndarray:
