@@ -104,11 +104,8 @@ def _score(rp: Replicas, eidx: np.ndarray, lidx: np.ndarray, profile=None):
     small tie-break. Squared CVs favour candidates with no badly balanced module. A shaped
     candidate's loads are measured against its ``profile`` [R, m, K] (the shape it aims at).
     Also returns the worst encoder column's CV (encoder balance comes first)."""
-    r_count, m = rp.llm.shape[0], rp.m
-    ok = rp.valid & (eidx >= 0)
-    e_loads = slot_sums(eidx, rp.enc_cols, ok, m)  # [R, m, E]
-    l_loads = slot_sums(lidx, rp.llm, rp.valid & (lidx >= 0), m)[..., None]
-    loads = np.concatenate([e_loads, l_loads], axis=2)  # [R, m, K]
+    r_count = rp.llm.shape[0]
+    loads = _module_loads(rp, eidx, lidx)  # [R, m, K]
     if profile is not None:  # balance against the intended shape
         loads = loads / profile
     mean = loads.mean(axis=1)
@@ -318,11 +315,12 @@ def _stragglers(rp: Replicas, scored, keys, pick, best_key):
             ok &= (_module_cv(rp, e_eff, cl) <= _STRAGGLER_CV * rc + 1e-12).all(axis=1)
         if not ok.any():
             continue
-        if not np.isfinite(keys[i][ok]).all():  # outside the balance band: not priced yet
+        t = keys[i]
+        if not np.isfinite(t[ok]).all():  # outside the balance band: not priced yet
             if stage is None:
                 stage = _per_stage(rp.enc_cols, rp.llm, rp.valid, rp.frozen)
-            keys[i] = np.where(np.isfinite(keys[i]), keys[i], proxy_times(rp, e_eff, cl, stage))
-        times[i] = np.where(ok, keys[i], np.inf)
+            t = np.where(np.isfinite(t), t, proxy_times(rp, e_eff, cl, stage))
+        times[i] = np.where(ok, t, np.inf)
     reach = np.minimum(times.min(axis=0), best_key)
     if not np.isfinite(reach).any():
         return pick, best_key
@@ -335,12 +333,17 @@ def _stragglers(rp: Replicas, scored, keys, pick, best_key):
     return np.where(sw, alt, pick), np.where(sw, times[alt, np.arange(len(pick))], best_key)
 
 
+def _module_loads(rp: Replicas, eidx, lidx) -> np.ndarray:
+    """[R, m, K] per-microbatch load of each encoder column (E sets) and the LLM (L sets)."""
+    m, valid = rp.m, rp.valid
+    e_loads = slot_sums(eidx, rp.enc_cols, valid & (eidx >= 0), m)
+    l_loads = slot_sums(lidx, rp.llm, valid & (lidx >= 0), m)[..., None]
+    return np.concatenate([e_loads, l_loads], axis=2)
+
+
 def _module_cv(rp: Replicas, e_eff, lidx) -> np.ndarray:
     """[R, K] per-microbatch CV of each encoder column (E sets) and the LLM (L sets)."""
-    m, valid = rp.m, rp.valid
-    e_loads = slot_sums(e_eff, rp.enc_cols, valid & (e_eff >= 0), m)
-    l_loads = slot_sums(lidx, rp.llm, valid & (lidx >= 0), m)[..., None]
-    loads = np.concatenate([e_loads, l_loads], axis=2)
+    loads = _module_loads(rp, e_eff, lidx)
     mean = loads.mean(axis=1)
     return np.where(mean > 0, loads.std(axis=1) / np.where(mean > 0, mean, 1.0), 0.0)
 
