@@ -9,7 +9,6 @@ See :mod:`.entrain` for the method (with :mod:`.replica_split`, :mod:`.encoder_s
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 
 import numpy as np
 
@@ -23,8 +22,7 @@ from .baselines import (
     assign_wlb_llm,
 )
 from .common import Assignment, Inputs, check_assignment, validate_inputs
-from .delay import delayed_samples
-from .entrain import assign_entrain
+from .delay import assign_delayed
 
 __all__ = [
     "assign",
@@ -126,27 +124,7 @@ def assign(
         frozen_encoders,
     )
     if method == "entrain":
-        return _entrain_with_delay(x, seed, iteration, flush)
+        return assign_delayed(x, seed, iteration, flush)
     if method == "wlb_llm":
         return assign_wlb_llm(x, flush=flush)
     return _BASELINES[method](x)
-
-
-def _entrain_with_delay(x: Inputs, seed: int, iteration: int, flush: bool) -> Assignment:
-    """Entrain over the samples that stay (all of them unless ``max_delay`` > 0)."""
-    carried = delayed_samples(x, flush)
-    if len(carried) == 0:
-        return assign_entrain(x, seed, iteration)
-    keep = np.setdiff1d(np.arange(x.n), carried)
-    sub = replace(
-        x,
-        enc=x.enc[keep],
-        llm=x.llm[keep],
-        tokens=x.tokens[keep],
-        patches=None if x.patches is None else x.patches[keep],
-        ages=x.ages[keep],
-    )
-    a = assign_entrain(sub, seed, iteration)
-    enc = [[keep[s] for s in row] for row in a.encoder_sets]
-    llm = [[keep[s] for s in row] for row in a.llm_sets]
-    return Assignment(a.method, a.dp, a.microbatches, enc, llm, carried)

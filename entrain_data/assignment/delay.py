@@ -3,11 +3,12 @@
 With many replicas a sample heavier than about half a mean microbatch stalls its
 whole iteration wherever it sits: the replica that holds it is the slowest, and
 one such sample per iteration costs as much as several. ``wlb_llm`` hides them in
-an unbounded outlier queue; here a sample waits at most ``K`` iterations:
+an unbounded outlier queue; here a sample waits at most ``K`` iterations.
+
+Which samples may wait (:func:`delayed_samples`, one rule per share in ``SHARES``):
 
 - *heavy*: on some module (each encoder column, the LLM) the sample carries more
-  than a mean microbatch's load of that module (``HEAVY_SHARE``; lighter samples can
-  be balanced in place, and delaying them cost up to 0.5% at 4 samples per microbatch);
+  than ``share`` of a mean microbatch's load of that module;
 - while no heavy sample has waited ``K`` iterations (``ages``, supplied by the
   caller) and fewer heavy samples are present than microbatches in the iteration,
   every heavy sample is carried;
@@ -18,6 +19,16 @@ an unbounded outlier queue; here a sample waits at most ``K`` iterations:
   every replica gets the same number;
 - ``flush`` (the last iteration of a run or epoch) places everything.
 
+Whether they wait (:func:`assign_delayed`) is priced, not assumed: waiting pays only
+where the heavy samples make stragglers. Where they are a large share of the work
+(document pages, long audio) carrying them only moves that work to the iteration
+they land in, whose module mix it skews (sroie-docs with frozen encoders at 512 /
+dp 4: 3% slower than not delaying). Each option is assigned and its cost is this
+iteration's proxy 1F1B time plus what the carried samples add to a batch like this
+one (the batch with copies of them appended, assigned the same way); the
+cheapest wins, an option that waits only where it is ``GAIN`` cheaper than the one
+before it (no delay first).
+
 Every sample is still trained exactly once: the caller prepends the carried
 samples to the next global batch with their age plus one (see
 ``entrain_data/README.md``, "Assignment").
@@ -25,29 +36,38 @@ samples to the next global batch with their age plus one (see
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
-from .common import Inputs
+from ..errors import InvalidInput
+from .common import Assignment, Inputs
+from .entrain import assign_entrain, assign_entrain_priced
 
-__all__ = ["HEAVY_SHARE", "heavy_samples", "delayed_samples"]
+__all__ = ["HEAVY_SHARE", "SHARES", "assign_delayed", "heavy_samples", "delayed_samples"]
 
 HEAVY_SHARE = 1.0  # of a mean microbatch's load on one module (WLB-LLM's rule says 0.5)
+# the heavy rules priced per iteration: ours, and one as wide as WLB-LLM's
+SHARES = (HEAVY_SHARE, 0.5)
+# an option that waits must be this much cheaper: the landing is an estimate (a batch like
+# this one), and at 0.1% it took delays that cost 1-2% (vision-audio at 512 / dp 4)
+GAIN = 0.01
 
 
-def heavy_samples(x: Inputs) -> np.ndarray:
-    """[B] bool: the sample carries more than ``HEAVY_SHARE`` of a mean microbatch on a module."""
+def heavy_samples(x: Inputs, share: float = HEAVY_SHARE) -> np.ndarray:
+    """[B] bool: the sample carries more than ``share`` of a mean microbatch on a module."""
     w = np.concatenate([x.enc, x.llm[:, None]], axis=1)
     per_mb = w.sum(axis=0) / (x.dp * x.microbatches)
-    share = np.where(per_mb > 0, w / np.where(per_mb > 0, per_mb, 1.0), 0.0)
-    return share.max(axis=1) > HEAVY_SHARE
+    frac = np.where(per_mb > 0, w / np.where(per_mb > 0, per_mb, 1.0), 0.0)
+    return frac.max(axis=1) > share
 
 
-def delayed_samples(x: Inputs, flush: bool) -> np.ndarray:
+def delayed_samples(x: Inputs, flush: bool, share: float = HEAVY_SHARE) -> np.ndarray:
     """Indices (ascending) of the samples of ``x`` that wait for a later iteration."""
     none = np.zeros(0, np.int64)
     if x.max_delay <= 0 or flush:
         return none
-    heavy = heavy_samples(x)
+    heavy = heavy_samples(x, share)
     idx = np.flatnonzero(heavy)
     bins = x.dp * x.microbatches
     if len(idx) == 0 or x.n - len(idx) < bins:  # the rest could not fill every microbatch
@@ -64,3 +84,56 @@ def delayed_samples(x: Inputs, flush: bool) -> np.ndarray:
     weight = (w / np.maximum(w.mean(axis=0), 1e-30)).sum(axis=1)
     order = np.lexsort((-weight, -x.ages[idx]))
     return np.sort(idx[order[place:]])
+
+
+def assign_delayed(x: Inputs, seed: int, iteration: int, flush: bool) -> Assignment:
+    """Entrain over the samples that stay, the carried set chosen by what it costs (see
+    the module docstring); with ``max_delay=0`` or on ``flush`` plain entrain."""
+    options = [np.zeros(0, np.int64)]
+    for sh in SHARES:
+        c = delayed_samples(x, flush, sh)
+        if not any(np.array_equal(c, o) for o in options):
+            options.append(c)
+    if len(options) == 1:
+        return assign_entrain(x, seed, iteration)
+    built, error = [], None
+    for carried in options:
+        keep = np.setdiff1d(np.arange(x.n), carried)
+        try:
+            a, t = assign_entrain_priced(_rows(x, keep), seed, iteration)
+        except InvalidInput as exc:  # a cap this option cannot meet
+            error = error or exc
+            continue
+        built.append((carried, keep, a, float(t.max())))
+    if not built:
+        raise error
+    now = built[0][3] if len(built[0][0]) == 0 else None
+    best, best_cost = None, np.inf
+    for carried, keep, a, cost in built:
+        if len(carried) and now is not None:
+            # the carried samples land later in a batch like this one: price that landing
+            try:
+                _, t_land = assign_entrain_priced(
+                    _rows(x, np.concatenate([np.arange(x.n), carried])), seed, iteration
+                )
+            except InvalidInput:  # such a batch could not take them under the caps
+                continue
+            cost += float(t_land.max()) - now
+        if cost < best_cost * (1 - GAIN):
+            best_cost = cost
+            enc = [[keep[s] for s in row] for row in a.encoder_sets]
+            llm = [[keep[s] for s in row] for row in a.llm_sets]
+            best = Assignment(a.method, a.dp, a.microbatches, enc, llm, carried)
+    return best
+
+
+def _rows(x: Inputs, idx: np.ndarray) -> Inputs:
+    """The inputs of the samples ``idx`` of ``x`` (in that order, repeats allowed)."""
+    return replace(
+        x,
+        enc=x.enc[idx],
+        llm=x.llm[idx],
+        tokens=x.tokens[idx],
+        patches=None if x.patches is None else x.patches[idx],
+        ages=x.ages[idx],
+    )

@@ -69,7 +69,7 @@ from .pipeline_search import _per_stage, proxy_times, random_cut_cv, refine_slow
 from .replica_split import fit_caps, norm_columns, split_replicas
 from .shaping import shaped_candidates
 
-__all__ = ["assign_entrain", "split_replicas", "lpt_bins", "replicas_of"]
+__all__ = ["assign_entrain", "assign_entrain_priced", "split_replicas", "lpt_bins", "replicas_of"]
 
 _MOUNTAIN = True
 # candidates whose balance score is within this share of the best are ranked by proxy time
@@ -149,13 +149,28 @@ def replicas_of(x: Inputs, members: np.ndarray) -> Replicas:
 def assign_entrain(x: Inputs, seed: int, iteration: int, tolerance: float = 0.02) -> Assignment:
     """Entrain's two-level assignment of ``x`` (see the module docstring): the same
     candidates and the same search at every batch size."""
+    return _assign(x, seed, iteration, tolerance)[0]
+
+
+def assign_entrain_priced(
+    x: Inputs, seed: int, iteration: int, tolerance: float = 0.02
+) -> tuple[Assignment, np.ndarray]:
+    """:func:`assign_entrain` and every replica's proxy 1F1B iteration time [R] for it (in
+    the units of ``x``'s costs): ``max_delay`` prices the iterations it could build."""
+    a, rp, eidx, lidx = _assign(x, seed, iteration, tolerance)
+    return a, proxy_times(rp, eidx, lidx)
+
+
+def _assign(x: Inputs, seed: int, iteration: int, tolerance: float):
+    """The assignment with the level-1 replicas and level-2 slots it came from."""
     rng = rng_for(seed, iteration, 1)
     w = norm_columns(np.concatenate([x.enc, x.llm[:, None]], axis=1))
     rp = replicas_of(x, fit_caps(split_replicas(w, x.dp, rng), x))
     cands = _candidates(rp, tolerance)
     eidx, lidx = _pick(cands, rp)
     eidx, lidx = refine_slowest(rp, eidx, lidx, rng_for(seed, iteration, 2))
-    return _to_assignment("entrain", rp.members, rp.valid, eidx, lidx, x.dp, rp.m)
+    a = _to_assignment("entrain", rp.members, rp.valid, eidx, lidx, x.dp, rp.m)
+    return a, rp, eidx, lidx
 
 
 def _candidates(rp: Replicas, tolerance: float) -> list[Candidate]:
