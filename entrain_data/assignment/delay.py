@@ -26,8 +26,9 @@ they land in, whose module mix it skews (sroie-docs with frozen encoders at 512 
 dp 4: 3% slower than not delaying). Each option is assigned and its cost is this
 iteration's proxy 1F1B time plus what the carried samples add to a batch like this
 one (the batch with copies of them appended, assigned the same way); the
-cheapest wins, an option that waits only where it is ``GAIN`` cheaper than the one
-before it (no delay first).
+cheapest wins, an option that carries only where it is ``GAIN`` cheaper than the
+cheapest before it (no delay first). Where no delay cannot meet a cap, the options
+that can are ranked by this iteration's time alone.
 
 Every sample is still trained exactly once: the caller prepends the carried
 samples to the next global batch with their age plus one (see
