@@ -97,34 +97,29 @@ def assign_delayed(x: Inputs, seed: int, iteration: int, flush: bool) -> Assignm
             options.append(c)
     if len(options) == 1:
         return assign_entrain(x, seed, iteration)
-    built, error = [], None
-    for carried in options:
+    best, best_cost, now, error = None, np.inf, None, None
+    for carried in options:  # no delay first: ``now`` is its time
         keep = np.setdiff1d(np.arange(x.n), carried)
         try:
             a, t = assign_entrain_priced(_rows(x, keep), seed, iteration)
-        except InvalidInput as exc:  # a cap this option cannot meet
-            error = error or exc
-            continue
-        built.append((carried, keep, a, float(t.max())))
-    if not built:
-        raise error
-    now = built[0][3] if len(built[0][0]) == 0 else None
-    best, best_cost = None, np.inf
-    for carried, keep, a, cost in built:
-        if len(carried) and now is not None:
-            # the carried samples land later in a batch like this one: price that landing
-            try:
+            cost = float(t.max())
+            if len(carried) == 0:
+                now = cost
+            elif now is not None:  # they land later in a batch like this one: price that
                 _, t_land = assign_entrain_priced(
                     _rows(x, np.concatenate([np.arange(x.n), carried])), seed, iteration
                 )
-            except InvalidInput:  # such a batch could not take them under the caps
-                continue
-            cost += float(t_land.max()) - now
+                cost += float(t_land.max()) - now
+        except InvalidInput as exc:  # a cap this option (or its landing) cannot meet
+            error = error or exc
+            continue
         if cost < best_cost * (1 - GAIN):
             best_cost = cost
             enc = [[keep[s] for s in row] for row in a.encoder_sets]
             llm = [[keep[s] for s in row] for row in a.llm_sets]
             best = Assignment(a.method, a.dp, a.microbatches, enc, llm, carried)
+    if best is None:
+        raise error
     return best
 
 
