@@ -22,10 +22,14 @@ over a mean microbatch, and the LPT lower bound on the largest microbatch); per 
 ``vsKeep`` is the throughput over the best keeping peer's, ``maxTok`` / ``maxPt`` the
 largest LLM set in tokens and encoder set in patches (entrain honours both caps, the patch
 cap by the token cap's rule); a summary checks the issue's claims over every row.
+Entrain is told the pipeline depth (``assign(pipeline_stages=--pp)``, as the loader
+service passes its plan's pp); ``--proxy-stages`` tells it another depth (0: none, its
+default), to measure a caller that does not pass the plan's.
 
     python bench/balance.py                       # paper setting: B=512, dp=4, M=32
     python bench/balance.py --batch 4096 --dp 16 --microbatches 16
     python bench/balance.py --frozen-encoders --tag frozen    # encoders forward only
+    python bench/balance.py --pp 8 --proxy-stages 0 --tag pp8-untold
 
 Writes bench/results/balance[-TAG].json and balance[-TAG].png.
 """
@@ -69,8 +73,10 @@ DELAY = 2  # max_delay of the bench's "entrain_d2" row
 BENCH_METHODS = METHODS + ("entrain_d2",)
 
 
-def run_method(name, costs, per_stage, batches, dp, m, seed, frozen=False):
-    """K iterations of one method; returns summary figures and the per-iteration loads."""
+def run_method(name, costs, per_stage, batches, dp, m, seed, frozen=False, pp=None):
+    """K iterations of one method; returns summary figures and the per-iteration loads.
+    ``pp``: the pipeline depth entrain is told (``assign(pipeline_stages=)``; None: its
+    default)."""
     method = "entrain" if name == "entrain_d2" else name
     delay = DELAY if name == "entrain_d2" else 0
     enc_all = costs.encoder_cost()
@@ -93,6 +99,7 @@ def run_method(name, costs, per_stage, batches, dp, m, seed, frozen=False):
         pcap = patch_caps(pt, dp, m) if method in PATCH_CAP_AWARE else None
         kw = dict(dp=dp, microbatches=m, defer_budget=budget, method=method, seed=seed)
         kw.update(frozen_encoders=frozen)  # entrain's pipeline proxy: no encoder backward
+        kw.update(pipeline_stages=pp)  # and its depth, the plan's pp
         kw.update(iteration=it, flush=it == len(batches) - 1, max_delay=delay, ages=ages)
         kw.update(encoder_patches=pt)
         t0 = time.perf_counter()
@@ -183,6 +190,7 @@ def bench_one(name, table, model_name, args):
             args.microbatches,
             args.seed,
             args.frozen_encoders,
+            args.pp if args.proxy_stages is None else (args.proxy_stages or None),
         )
     seq = res["sequential"]
     best_peer = max(PEERS, key=lambda k: res[k]["throughput"])
@@ -291,6 +299,12 @@ def main(argv=None) -> int:
     p.add_argument("--dp", type=int, default=4)
     p.add_argument("--microbatches", type=int, default=32)
     p.add_argument("--pp", type=int, default=4)
+    p.add_argument(
+        "--proxy-stages",
+        type=int,
+        default=None,
+        help="pipeline depth entrain is told (default: --pp; 0: not told, assign's default)",
+    )
     p.add_argument("--iterations", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workloads", default="", help="comma-separated subset (default: all)")

@@ -161,7 +161,7 @@ def simulate(ctx: PlanContext, chosen, costs, idx, seed, schedule) -> tuple[list
 
     def run(ci: int, k: int) -> None:
         c, b = chosen[ci], idx[k]
-        akey = (c.dp, c.microbatches, k)
+        akey = (c.dp, c.microbatches, c.pp, k)
         if akey not in assignments:
             cap, budget = caps(ctx, c.dp, c.microbatches)
             try:
@@ -177,6 +177,7 @@ def simulate(ctx: PlanContext, chosen, costs, idx, seed, schedule) -> tuple[list
                     seed=seed,
                     iteration=k,
                     frozen_encoders=frozen,
+                    pipeline_stages=c.pp,
                 )
             except InvalidInput as e:  # this (dp, M)'s cap cannot serve batch k
                 assignments[akey] = e

@@ -166,6 +166,9 @@ def test_zero_budget_means_no_deferral():
         ({"microbatches": 0}, "microbatches must be"),
         ({"dp": 4, "microbatches": 5}, "cannot fill"),
         ({"method": "magic"}, "unknown assignment method"),
+        ({"pipeline_stages": 0}, "pipeline_stages must be"),
+        ({"pipeline_stages": True}, "pipeline_stages must be"),
+        ({"pipeline_stages": 2.5}, "pipeline_stages must be"),
     ],
 )
 def test_bad_input_names_the_problem(kwargs, match):

@@ -84,6 +84,7 @@ class Coordinator:
             max_encoder_patches=self.plan.max_encoder_patches or None,
             encoder_stats=encoder_stats(cfg.source),
             frozen_encoders=frozen_columns(self.plan, enc),
+            pipeline_stages=self.plan.pp,
         )
         self.shape = self.scheduler.shape
         self.end_pos = cfg.epochs * self.shape.per_epoch

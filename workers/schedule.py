@@ -120,6 +120,7 @@ class Scheduler:
     ``encoder_cost`` [N, E], ``llm_cost`` [N] and ``tokens`` [N] are per-sample
     costs over the whole index (from the cost model, computed once). ``assign_fn``
     replaces :func:`~entrain_data.assignment.assign` (same signature; tests slow it down).
+    ``pipeline_stages`` is the plan's pp, the depth of entrain's proxy pipeline.
     """
 
     def __init__(
@@ -141,6 +142,7 @@ class Scheduler:
         max_encoder_patches: int | None = None,
         encoder_stats: tuple[np.ndarray, dict[str, np.ndarray]] | None = None,
         frozen_encoders: list[bool] | None = None,
+        pipeline_stages: int | None = None,
     ) -> None:
         self.encoder_cost = np.asarray(encoder_cost)
         self.llm_cost = np.asarray(llm_cost)
@@ -157,6 +159,7 @@ class Scheduler:
         self.assign_fn = assign_fn or assign
         # per encoder column: forward only (entrain's pipeline proxy places no backward)
         self.frozen_encoders = list(frozen_encoders or [])
+        self.pipeline_stages = pipeline_stages  # the plan's pp: the depth entrain's proxy prices
         n = len(self.llm_cost)
         min_batch = self.dp * self.microbatches
         probe = epoch_batches(n, self.global_batch, min_batch, self.seed, 0)
@@ -218,6 +221,8 @@ class Scheduler:
             )
         if any(self.frozen_encoders):
             extra["frozen_encoders"] = self.frozen_encoders
+        if self.pipeline_stages is not None:
+            extra["pipeline_stages"] = self.pipeline_stages
         if ages is not None:  # nothing leaves its epoch: the last iteration flushes the queue
             extra["flush"] = iteration == self.shape.iterations - 1
             if self.max_delay > 0:

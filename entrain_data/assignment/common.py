@@ -18,7 +18,11 @@ __all__ = [
     "check_assignment",
     "rng_for",
     "slot_sums",
+    "DEFAULT_PIPELINE_STAGES",
 ]
+
+DEFAULT_PIPELINE_STAGES = 4
+"""Depth of entrain's proxy pipeline where the caller does not give the plan's pp."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -83,6 +87,7 @@ class Inputs:
     max_delay: int = 0
     ages: np.ndarray | None = None  # [B] iterations each sample has already been carried
     frozen: np.ndarray | None = None  # [E] bool: the encoder runs forward only; None: all train
+    stages: int = DEFAULT_PIPELINE_STAGES  # the plan's pp: the depth of entrain's proxy pipeline
 
     @property
     def n(self) -> int:
@@ -110,6 +115,7 @@ class Replicas:
     budget: int | None  # deferral buffer, tokens
     patch_cap: np.ndarray | None  # [E] patches per E set
     frozen: np.ndarray | None = None  # [E] bool: forward only (no encoder backward in L sets)
+    stages: int = DEFAULT_PIPELINE_STAGES  # depth of the proxy pipeline (the plan's pp)
 
     def take(self, replicas: np.ndarray) -> Replicas:
         """The same value restricted to some replicas (rows), e.g. the slowest ones."""
@@ -164,6 +170,7 @@ def validate_inputs(
     max_delay=0,
     ages=None,
     frozen_encoders=False,
+    pipeline_stages=None,
 ) -> Inputs:
     """Check shapes, values and feasibility; raise :class:`InvalidInput` naming the problem."""
     enc = np.asarray(encoder_cost, dtype=np.float64)
@@ -230,6 +237,17 @@ def validate_inputs(
     age = np.zeros(b, np.int64) if ages is None else np.asarray(ages)
     if age.shape != (b,) or not np.issubdtype(age.dtype, np.integer) or (age < 0).any():
         raise InvalidInput(f"ages must be [{b}] integers >= 0 (iterations carried), got {age!r}")
+    if pipeline_stages is None:
+        pipeline_stages = DEFAULT_PIPELINE_STAGES
+    if (
+        isinstance(pipeline_stages, bool)
+        or not isinstance(pipeline_stages, (int, np.integer))
+        or pipeline_stages < 1
+    ):
+        raise InvalidInput(
+            f"pipeline_stages must be an integer >= 1 (the plan's pp) or None, "
+            f"got {pipeline_stages!r}"
+        )
     return Inputs(
         enc,
         llm,
@@ -243,6 +261,7 @@ def validate_inputs(
         int(max_delay),
         age.astype(np.int64),
         _check_frozen(enc.shape[1], frozen_encoders),
+        int(pipeline_stages),
     )
 
 

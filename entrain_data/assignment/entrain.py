@@ -143,6 +143,7 @@ def replicas_of(x: Inputs, members: np.ndarray) -> Replicas:
         budget=x.defer_budget,
         patch_cap=x.patch_cap,
         frozen=x.frozen,
+        stages=x.stages,
     )
 
 
@@ -248,7 +249,7 @@ def _pick(cands: list[Candidate], rp: Replicas) -> tuple[np.ndarray, np.ndarray]
         scored.append((e_eff, c.lidx, np.where(failed, np.inf, sc), ecv))
         shaped.append(c.profile is not None)
     best_sc = np.min([sc for *_, sc, _ in scored], axis=0)
-    stage = _per_stage(rp.enc_cols, rp.llm, valid, rp.frozen)
+    stage = _per_stage(rp.enc_cols, rp.llm, valid, rp.frozen, rp.stages)
 
     def in_band(sc, ecv, score_level: float, enc_level: float) -> np.ndarray:
         """[R] within the relative bands of the best candidate, or under the absolute levels."""
@@ -333,7 +334,7 @@ def _stragglers(rp: Replicas, scored, keys, pick, best_key):
         t = keys[i]
         if not np.isfinite(t[ok]).all():  # outside the balance band: not priced yet
             if stage is None:
-                stage = _per_stage(rp.enc_cols, rp.llm, rp.valid, rp.frozen)
+                stage = _per_stage(rp.enc_cols, rp.llm, rp.valid, rp.frozen, rp.stages)
             t = np.where(np.isfinite(t), t, proxy_times(rp, e_eff, cl, stage))
         times[i] = np.where(ok, t, np.inf)
     reach = np.minimum(times.min(axis=0), best_key)

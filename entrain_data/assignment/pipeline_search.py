@@ -10,9 +10,10 @@ microbatch; 1F1B lets a stage run only a few microbatches ahead of the next, so
 the LLM stage stalls unless its own work around those points is heavy enough
 to cover them. Sums cannot express that; a simulation can.
 
-``assign`` sees per-module costs, not the plan's stage layout, so the
-simulation runs on a proxy pipeline built from those costs the way the static
-planner builds layouts: ``_PROXY_STAGES`` stages, the encoders in front
+``assign`` sees per-module costs and the plan's depth (``pipeline_stages``, the plan's
+pp; 4 where not given), not its stage layout, so the simulation runs on a proxy pipeline
+built from those costs the way the static planner builds layouts: that many stages, the
+encoders in front
 (their chain of columns cut into equal contiguous shares), the LLM behind,
 the split between them the one whose busiest stage is lightest; a module's
 cost is one third forward, two thirds backward (a trainable module).
@@ -38,7 +39,7 @@ import numpy as np
 
 from .. import compiled
 from ..simulator import simulate_pipeline, topological_order
-from .common import Replicas, slot_sums
+from .common import DEFAULT_PIPELINE_STAGES, Replicas, slot_sums
 
 __all__ = [
     "cv_limits",
@@ -49,7 +50,6 @@ __all__ = [
     "refine_slowest",
 ]
 
-_PROXY_STAGES = 4
 _FWD_SHARE = 1.0 / 3.0  # forward share of a trainable module's forward + backward cost
 _CANDIDATES = 32  # moves tried per replica and round
 _ROUNDS = 64
@@ -65,7 +65,9 @@ _CV_FLOOR = 0.002  # ... plus this much
 _RANDOM_SHARE = 0.05  # or up to this share of a random equal-count cut's CV (cv_limits)
 
 
-def proxy_stage_shares(module_totals: np.ndarray, stages: int = _PROXY_STAGES) -> np.ndarray:
+def proxy_stage_shares(
+    module_totals: np.ndarray, stages: int = DEFAULT_PIPELINE_STAGES
+) -> np.ndarray:
     """[S, K] share of module k's work held by stage s; the last column is the LLM.
 
     The encoders (columns 0..K-2, in order) fill the first stages as one chain
@@ -127,14 +129,14 @@ def random_cut_cv(cost: np.ndarray, valid: np.ndarray, m: int) -> np.ndarray:
     return np.where(mean > 0, rel * np.sqrt((1 - 1 / m) * m / np.maximum(n, m)), 0.0)
 
 
-def _per_stage(enc_cols, llm, valid, frozen=None):
-    """Per-sample proxy stage costs [R, n, S]: encoder forward (with E), forward and
-    backward that run with L (LLM forward; encoder and LLM backward). A frozen encoder
-    (``frozen`` [E] bool) is all forward: its whole cost runs with E."""
+def _per_stage(enc_cols, llm, valid, frozen=None, stages=DEFAULT_PIPELINE_STAGES):
+    """Per-sample proxy stage costs [R, n, S] on ``stages`` stages: encoder forward (with
+    E), forward and backward that run with L (LLM forward; encoder and LLM backward). A
+    frozen encoder (``frozen`` [E] bool) is all forward: its whole cost runs with E."""
     totals = np.concatenate(
         [np.where(valid[..., None], enc_cols, 0.0).sum(axis=(0, 1)), [llm[valid].sum()]]
     )
-    sh = proxy_stage_shares(totals)  # [S, K]
+    sh = proxy_stage_shares(totals, stages)  # [S, K]
     l_stage = llm[..., None] * sh[None, None, :, -1]
     zero = ~valid[..., None]
     lf = np.where(zero, 0.0, _FWD_SHARE * l_stage)
@@ -174,7 +176,9 @@ def proxy_times(rp: Replicas, eidx: np.ndarray, lidx: np.ndarray, stage=None) ->
 
     ``stage``: the (ef, lf, lb) of :func:`_per_stage`, when the caller already has them."""
     valid, m = rp.valid, rp.m
-    ef, lf, lb = stage if stage is not None else _per_stage(rp.enc_cols, rp.llm, valid, rp.frozen)
+    ef, lf, lb = (
+        stage if stage is not None else _per_stage(rp.enc_cols, rp.llm, valid, rp.frozen, rp.stages)
+    )
     fwd, bwd = _proxy_loads(eidx, lidx, ef, lf, lb, valid, m)
     return _replica_times(fwd, bwd)
 
@@ -210,7 +214,7 @@ def refine_slowest(
     r_count = rp.llm.shape[0]
     if r_count <= _LAST_FOCUS:
         return refine_by_pipeline(rp, eidx, lidx, rng)
-    stage = _per_stage(rp.enc_cols, rp.llm, rp.valid, rp.frozen)
+    stage = _per_stage(rp.enc_cols, rp.llm, rp.valid, rp.frozen, rp.stages)
     if r_count <= _FOCUS:
         eidx, lidx = refine_by_pipeline(rp, eidx, lidx, rng)
     else:
@@ -256,7 +260,7 @@ def refine_by_pipeline(
     if m < 2 or n == 0 or rounds <= 0:
         return eidx, lidx
     eidx, lidx = eidx.copy(), lidx.copy()
-    ef, lf, lb = _per_stage(enc_cols, llm, valid, rp.frozen)
+    ef, lf, lb = _per_stage(enc_cols, llm, valid, rp.frozen, rp.stages)
     fwd, bwd = _proxy_loads(eidx, lidx, ef, lf, lb, valid, m)
     cur = _replica_times(fwd, bwd)  # [R]
     big = np.iinfo(np.int64).max // 4

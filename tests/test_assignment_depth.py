@@ -1,0 +1,78 @@
+"""``assign(pipeline_stages=)``: entrain prices its candidates on a proxy of the plan's depth."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from entrain_data.workers.schedule import Scheduler
+
+from entrain_data.assignment import assign, check_assignment
+from entrain_data.assignment.pipeline_search import _per_stage
+from entrain_data.cost_model import per_sample_costs
+from entrain_data.presets import ModelSpec
+from entrain_data.simulator import simulate_pipeline
+from entrain_data.workloads import synthesize
+
+SPEC = ModelSpec.from_names(["qwen2.5-vl-vision"], "llama-3.2-1b")
+
+
+@pytest.fixture(scope="module")
+def costs():
+    c = per_sample_costs(synthesize("llava-fixed", 4096, seed=11), SPEC)
+    return c.encoder_cost(), c.llm_cost(), c.llm_tokens.astype(np.int64)
+
+
+def _time_on(a, enc, llm, stages: int) -> float:
+    """Iteration time of ``a`` on a ``stages``-deep pipeline laid out as the proxy lays it
+    (encoder forward with E; LLM forward, encoder and LLM backward with L)."""
+    ef, lf, lb = (v[0] for v in _per_stage(enc[None], llm[None], np.ones((1, len(llm)), bool),
+                                          None, stages))  # fmt: skip
+    worst = 0.0
+    for r in range(a.dp):
+        fwd = np.stack([ef[s].sum(0) for s in a.encoder_sets[r]])
+        fwd += np.stack([lf[s].sum(0) for s in a.llm_sets[r]])
+        bwd = np.stack([lb[s].sum(0) for s in a.llm_sets[r]])
+        worst = max(worst, float(simulate_pipeline(fwd[None], bwd[None]).iteration_time))
+    return worst
+
+
+def test_the_told_depth_is_the_one_priced(costs):
+    """Assigned for an 8-stage plan, the iterations run faster on 8 stages than the ones
+    assigned for the default depth (4), and vice versa: the depth decides where the fill
+    and drain sit, which is what the proxy prices."""
+    enc, llm, tok = costs
+    t = np.zeros((2, 2))  # [told 4, told 8] x [run on 4, run on 8]
+    for it in range(4):
+        rows = np.arange(it * 512, (it + 1) * 512)
+        for i, told in enumerate((None, 8)):
+            a = assign(enc[rows], llm[rows], tok[rows], dp=4, microbatches=16,
+                       iteration=it, pipeline_stages=told)  # fmt: skip
+            for j, depth in enumerate((4, 8)):
+                t[i, j] += _time_on(a, enc[rows], llm[rows], depth)
+    assert t[1, 1] < t[0, 1] * 0.999, t
+    assert t[0, 0] < t[1, 0], t
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 8])
+def test_every_depth_keeps_the_invariants(costs, stages):
+    enc, llm, tok = costs
+    rows = np.arange(300)
+    cap = int(max(tok[rows].max(), 1.5 * tok[rows].sum() / 32))
+    a = assign(enc[rows], llm[rows], tok[rows], dp=4, microbatches=8, max_tokens=cap,
+               defer_budget=2 * cap, pipeline_stages=stages, max_delay=1)  # fmt: skip
+    check_assignment(a, 300, tok[rows], cap, 2 * cap)
+
+
+def test_the_service_schedule_tells_assign_the_plans_depth(costs):
+    enc, llm, tok = costs
+    seen = []
+
+    def spy(*args, **kw):
+        seen.append(kw.get("pipeline_stages"))
+        return assign(*args, **kw)
+
+    s = Scheduler(enc, llm, tok, dp=2, microbatches=4, global_batch=256, max_tokens=None,
+                  defer_budget=None, method="entrain", seed=1, assign_fn=spy,
+                  pipeline_stages=6)  # fmt: skip
+    s.slots(0, 0)
+    assert seen == [6]
