@@ -37,6 +37,7 @@ def main(argv=None) -> int:
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--workload", default="qwen2vl-dynamic")
+    p.add_argument("--pp", type=int, default=None, help="pipeline_stages entrain is told")
     args = p.parse_args(argv)
     sizes = [int(b) for b in args.batches.split(",")]
     table = synthesize(args.workload, max(sizes), seed=0)
@@ -65,6 +66,7 @@ def main(argv=None) -> int:
                     max_tokens=cap if method in CAP_AWARE else None,
                     encoder_patches=pt,
                     max_encoder_patches=pcap,
+                    pipeline_stages=args.pp,
                 )
                 wall, cpu = [], []
                 for it in range(args.repeats):

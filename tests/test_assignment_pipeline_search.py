@@ -34,6 +34,16 @@ def test_proxy_stage_shares_hold_every_module_once(totals, stages):
             assert abs(sh[:, k].sum() - 1.0) < 1e-9
 
 
+@pytest.mark.parametrize("stages", [2, 4, 8])
+def test_light_encoders_ride_on_the_first_stage_and_every_stage_carries_the_same(stages):
+    totals = np.array([0.3, 0.2, 9.5])  # two encoders, lighter together than a stage's share
+    sh = proxy_stage_shares(totals, stages)
+    assert (sh[0, :-1] == 1.0).all() and (sh[1:, :-1] == 0).all()
+    np.testing.assert_allclose(sh @ totals, np.full(stages, totals.sum() / stages))
+    heavy = proxy_stage_shares(np.array([6.0, 4.0]), stages)  # encoders over a stage's share
+    assert heavy[0, -1] == 0.0 and heavy[-1, 0] == 0.0  # pure encoder stages in front
+
+
 def _state(seed, r_count=2, n=40, m=6, e=2):
     rng = np.random.default_rng(seed)
     tok = rng.integers(1, 400, (r_count, n))

@@ -13,10 +13,10 @@ to cover them. Sums cannot express that; a simulation can.
 ``assign`` sees per-module costs and the plan's depth (``pipeline_stages``, the plan's
 pp; 4 where not given), not its stage layout, so the simulation runs on a proxy pipeline
 built from those costs the way the static planner builds layouts: that many stages, the
-encoders in front
-(their chain of columns cut into equal contiguous shares), the LLM behind,
-the split between them the one whose busiest stage is lightest; a module's
-cost is one third forward, two thirds backward (a trainable module).
+encoders in front (their chain of columns cut into equal contiguous shares, or all on the
+first stage with the head of the LLM), the LLM behind, the split between them the one whose
+busiest stage is lightest (:func:`proxy_stage_shares`); a module's cost is one third
+forward, two thirds backward (a trainable module).
 
 The search itself is a seeded local search over whole-sample moves, all
 replicas at once: each round draws ``_CANDIDATES`` moves per replica (a
@@ -72,7 +72,10 @@ def proxy_stage_shares(
 
     The encoders (columns 0..K-2, in order) fill the first stages as one chain
     cut into equal contiguous pieces, the LLM the rest in equal pieces; the
-    number of encoder stages is the one whose busiest stage is lightest. No
+    number of encoder stages is the one whose busiest stage is lightest. Where the
+    encoders are lighter than a stage's share, they ride on the first stage with the
+    head of the LLM and every stage carries the same (the planner's layout with no pure
+    encoder stage: at 2 stages most rows of the bench's vla-3b model run that way). No
     encoder work: every stage holds an equal share of the LLM.
     """
     tot = np.asarray(module_totals, dtype=np.float64)
@@ -88,6 +91,14 @@ def proxy_stage_shares(
         s_enc = stages
     else:
         s_enc = min(range(1, stages), key=lambda s: max(enc_total / s, llm_total / (stages - s)))
+        head = (enc_total + llm_total) / stages - enc_total  # LLM work beside the encoders
+        if head > 1e-9 * llm_total and enc_total + head < max(
+            enc_total / s_enc, llm_total / (stages - s_enc)
+        ):  # the encoders ride on the first stage with the head of the LLM: every stage equal
+            shares[0, :-1] = np.where(tot[:-1] > 0, 1.0, 0.0)
+            shares[0, -1] = head / llm_total
+            shares[1:, -1] = (1.0 - head / llm_total) / (stages - 1)
+            return shares
     cum = np.concatenate([[0.0], np.cumsum(tot[:-1])])  # module boundaries on the chain
     for s in range(s_enc):
         lo, hi = enc_total * s / s_enc, enc_total * (s + 1) / s_enc
