@@ -3,7 +3,9 @@
 Level 1 splits the global batch across DP replicas so that every replica's
 *vector* of per-module sums (each encoder, the LLM) matches: greedy
 largest-first placement in rounds, then pairwise swaps that shrink the worst
-relative deviation on any module.
+relative deviation on any module. With one pipeline stage (``pipeline_stages=1``,
+plain data parallelism) every module runs on the same GPU and only a replica's
+total work sets its time, so level 1 evens the total instead.
 
 Level 2 composes, inside every replica, M microbatches in two layers:
 
@@ -165,8 +167,11 @@ def assign_entrain_priced(
 def _assign(x: Inputs, seed: int, iteration: int, tolerance: float):
     """The assignment with the level-1 replicas and level-2 slots it came from."""
     rng = rng_for(seed, iteration, 1)
-    w = norm_columns(np.concatenate([x.enc, x.llm[:, None]], axis=1))
-    rp = replicas_of(x, fit_caps(split_replicas(w, x.dp, rng), x))
+    cols = np.concatenate([x.enc, x.llm[:, None]], axis=1)
+    if x.stages == 1:  # one stage runs every module: only the replica's total work counts
+        cols = cols.sum(axis=1, keepdims=True)
+    w = norm_columns(cols)
+    rp = replicas_of(x, fit_caps(split_replicas(w, x.dp, rng), x, w))
     cands = _candidates(rp, tolerance)
     eidx, lidx = _pick(cands, rp)
     eidx, lidx = refine_slowest(rp, eidx, lidx, rng_for(seed, iteration, 2))
