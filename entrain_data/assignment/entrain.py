@@ -88,8 +88,11 @@ _GOOD_ENC_CV = 0.02  # and every encoder column's CV at most this
 # the second joint vector candidate weighs every encoder column this many times the LLM
 # and tokens: where encoder work is a count (every clip padded to 30 s) the first one
 # evens the LLM at the encoder's cost, deferral evens both but piles encoder backward
-# into the last L sets (common-voice-ps at 4096 / dp 16: 1.5% slower than either)
-_ENC_FIRST = 4
+# into the last L sets (common-voice-ps at 4096 / dp 16: 1.5% slower than either). At 4x
+# its encoder sets stayed 1.5x less even than the LPT sets on such counts (0.030 against 0.020
+# on a slow replica of common-voice-ps, 4096 / dp 16, seed 5), outside the pick's bands: at
+# 16x they reach the LPT sets' and that row goes 0.998 -> 1.008 of the best keeping peer
+_ENC_FIRST = 16
 # a replica slower than the others can be may take a less even candidate, each module's
 # CV within this share of a random equal-count cut's (see _stragglers)
 _STRAGGLER_CV = 0.75
