@@ -67,7 +67,7 @@ from .encoder_sets import (
     vector_bins,
 )
 from .llm_sets import ffd_joint, fits_cap, fits_patches, llm_sets_fill, llm_sets_lpt
-from .pipeline_search import _per_stage, proxy_times, random_cut_cv, refine_slowest
+from .pipeline_search import proxy_times, random_cut_cv, refine_slowest, stage_costs
 from .replica_split import fit_caps, norm_columns, split_replicas
 from .shaping import shaped_candidates
 
@@ -257,7 +257,7 @@ def _pick(cands: list[Candidate], rp: Replicas) -> tuple[np.ndarray, np.ndarray]
         scored.append((e_eff, c.lidx, np.where(failed, np.inf, sc), ecv))
         shaped.append(c.profile is not None)
     best_sc = np.min([sc for *_, sc, _ in scored], axis=0)
-    stage = _per_stage(rp.enc_cols, rp.llm, valid, rp.frozen, rp.stages)
+    stage = stage_costs(rp)
 
     def in_band(sc, ecv, score_level: float, enc_level: float) -> np.ndarray:
         """[R] within the relative bands of the best candidate, or under the absolute levels."""
@@ -295,7 +295,7 @@ def _pick(cands: list[Candidate], rp: Replicas) -> tuple[np.ndarray, np.ndarray]
         take = sh_key < best_key * (1 - _SHAPE_GAIN)
         best_key = np.where(take, sh_key, best_key)
         pick = np.where(take, sh, pick)
-    pick, best_key = _stragglers(rp, scored, keys, pick, best_key)
+    pick, best_key = _stragglers(rp, scored, keys, pick, best_key, stage)
     eidx = np.zeros_like(cands[0].eidx)
     lidx = np.zeros_like(eidx)
     for i, (e_eff, cl, _, _) in enumerate(scored):
@@ -319,8 +319,9 @@ def _pick(cands: list[Candidate], rp: Replicas) -> tuple[np.ndarray, np.ndarray]
     return _edges_light(eidx, lidx, valid, rp.enc_w, rp.llm, m, keep)
 
 
-def _stragglers(rp: Replicas, scored, keys, pick, best_key):
-    """[R] pick and proxy time, revised where the slowest replicas can be faster.
+def _stragglers(rp: Replicas, scored, keys, pick, best_key, stage):
+    """[R] pick and proxy time, revised where the slowest replicas can be faster (``stage``:
+    the pick's proxy stage costs, :func:`.pipeline_search.stage_costs`).
 
     The iteration lasts as long as its slowest replica, so balance first is right for
     every replica but those that set the time. The floor is the slowest replica's best
@@ -331,7 +332,6 @@ def _stragglers(rp: Replicas, scored, keys, pick, best_key):
     the others keep their pick. Where the slowest replica cannot be faster nothing changes.
     """
     rc = random_cut_cv(np.concatenate([rp.enc_cols, rp.llm[..., None]], axis=2), rp.valid, rp.m)
-    stage = None
     times = np.full((len(scored), len(pick)), np.inf)
     for i, (e_eff, cl, sc, _) in enumerate(scored):
         ok = np.isfinite(sc)
@@ -341,8 +341,6 @@ def _stragglers(rp: Replicas, scored, keys, pick, best_key):
             continue
         t = keys[i]
         if not np.isfinite(t[ok]).all():  # outside the balance band: not priced yet
-            if stage is None:
-                stage = _per_stage(rp.enc_cols, rp.llm, rp.valid, rp.frozen, rp.stages)
             t = np.where(np.isfinite(t), t, proxy_times(rp, e_eff, cl, stage))
         times[i] = np.where(ok, t, np.inf)
     reach = np.minimum(times.min(axis=0), best_key)

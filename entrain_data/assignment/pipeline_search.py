@@ -48,6 +48,7 @@ __all__ = [
     "proxy_times",
     "refine_by_pipeline",
     "refine_slowest",
+    "stage_costs",
 ]
 
 _FWD_SHARE = 1.0 / 3.0  # forward share of a trainable module's forward + backward cost
@@ -163,6 +164,11 @@ def _per_stage(enc_cols, llm, valid, frozen=None, stages=DEFAULT_PIPELINE_STAGES
     return ef, lf, lb
 
 
+def stage_costs(rp: Replicas):
+    """(ef, lf, lb) [R, n, S] of ``rp``'s members on its proxy pipeline (:func:`_per_stage`)."""
+    return _per_stage(rp.enc_cols, rp.llm, rp.valid, rp.frozen, rp.stages)
+
+
 def _loads(idx, per_sample, valid, m):
     """[R, M, S] sums of per-sample [R, n, S] over the members of each microbatch."""
     return slot_sums(idx, per_sample, valid, m)
@@ -185,11 +191,9 @@ def _replica_times(fwd, bwd):
 def proxy_times(rp: Replicas, eidx: np.ndarray, lidx: np.ndarray, stage=None) -> np.ndarray:
     """[R] proxy 1F1B iteration time of every replica for the sets (eidx, lidx).
 
-    ``stage``: the (ef, lf, lb) of :func:`_per_stage`, when the caller already has them."""
+    ``stage``: the (ef, lf, lb) of :func:`stage_costs`, when the caller already has them."""
     valid, m = rp.valid, rp.m
-    ef, lf, lb = (
-        stage if stage is not None else _per_stage(rp.enc_cols, rp.llm, valid, rp.frozen, rp.stages)
-    )
+    ef, lf, lb = stage if stage is not None else stage_costs(rp)
     fwd, bwd = _proxy_loads(eidx, lidx, ef, lf, lb, valid, m)
     return _replica_times(fwd, bwd)
 
@@ -225,7 +229,7 @@ def refine_slowest(
     r_count = rp.llm.shape[0]
     if r_count <= _LAST_FOCUS:
         return refine_by_pipeline(rp, eidx, lidx, rng)
-    stage = _per_stage(rp.enc_cols, rp.llm, rp.valid, rp.frozen, rp.stages)
+    stage = stage_costs(rp)
     if r_count <= _FOCUS:
         eidx, lidx = refine_by_pipeline(rp, eidx, lidx, rng)
     else:
@@ -271,7 +275,7 @@ def refine_by_pipeline(
     if m < 2 or n == 0 or rounds <= 0:
         return eidx, lidx
     eidx, lidx = eidx.copy(), lidx.copy()
-    ef, lf, lb = _per_stage(enc_cols, llm, valid, rp.frozen, rp.stages)
+    ef, lf, lb = stage_costs(rp)
     fwd, bwd = _proxy_loads(eidx, lidx, ef, lf, lb, valid, m)
     cur = _replica_times(fwd, bwd)  # [R]
     big = np.iinfo(np.int64).max // 4

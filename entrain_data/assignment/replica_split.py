@@ -152,12 +152,12 @@ def _refine_replicas(members: np.ndarray, loads: np.ndarray, wp: np.ndarray, ite
         members[a, ca], members[b, cb] = members[b, cb], members[a, ca]
 
 
-def fit_caps(members: np.ndarray, x: Inputs, w: np.ndarray | None = None) -> np.ndarray:
+def fit_caps(members: np.ndarray, x: Inputs, w: np.ndarray) -> np.ndarray:
     """Level 1, repaired for the caps: where a replica's samples cannot be packed into its
     ``m`` sets under the token cap (and each encoder's patch cap) by first fit, largest first,
     swap its largest sample for one of the least-loaded replica that still packs: of that
     replica's samples smaller under the caps, the one closest in work (``w`` [B, D], level
-    1's columns; without it, the smallest). Level 1 balances work, not tokens, so with few
+    1's columns). Level 1 balances work, not tokens, so with few
     samples per replica one replica can hold more tokens than its sets take while another
     has room: the batch is then served instead of failing mid-epoch, and the swap keeps the
     replicas' work as level 1 left it as far as it can (the smallest partner put 2% more work
@@ -192,11 +192,8 @@ def fit_caps(members: np.ndarray, x: Inputs, w: np.ndarray | None = None) -> np.
                 smaller = theirs < mine[a]
                 if not smaller.any():
                     continue
-                if w is None:
-                    b = int(np.argmin(theirs))
-                else:
-                    gap = np.abs(w[members[u]] - w[members[o, a]]).sum(axis=1)
-                    b = int(np.argmin(np.where(smaller, gap, np.inf)))
+                gap = np.abs(w[members[u]] - w[members[o, a]]).sum(axis=1)
+                b = int(np.argmin(np.where(smaller, gap, np.inf)))
                 members[[o, u], [a, b]] = members[[u, o], [b, a]]
                 now = _packs(size[members[[o, u]]], m)
                 if now[1]:
