@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +11,7 @@ from entrain_data.metadata import SampleTable
 from entrain_data.plan_layout import layer_units, stages_for
 from entrain_data.presets import ModelSpec
 from entrain_data.real_workloads import list_real_workloads, real_workload
+from entrain_data.token_caps import count_floor, token_caps
 from entrain_data.workloads import synthesize
 
 __all__ = [
@@ -37,20 +37,21 @@ MODELS = {
 
 
 def caps(tokens: np.ndarray, dp: int, m: int) -> tuple[int, int]:
-    """Token cap (1.5x a mean microbatch, at least the largest sample, 256-aligned) and
-    deferral budget (2x a mean microbatch): the planner's rule."""
-    per_mb = float(tokens.sum()) / (dp * m)
-    cap = max(int(tokens.max()), int(math.ceil(1.5 * per_mb)))
-    return int(math.ceil(cap / 256) * 256), int(math.ceil(2 * per_mb))
+    """Token cap and deferral budget of this batch by the planner's rule (:func:`token_caps`:
+    1.5x a mean microbatch, at least the largest sample, a replica's share, and the counting
+    floor of this batch's sizes, 256-aligned; the budget 2x a mean microbatch)."""
+    tok = np.asarray(tokens, dtype=np.int64)
+    floor = count_floor(-np.sort(-tok), dp * m)
+    return token_caps(int(tok.sum()), int(tok.max()), dp, m, None, floor)
 
 
 def patch_caps(patches: np.ndarray, dp: int, m: int) -> np.ndarray:
-    """[E] encoder patch cap per encoder set, by the token cap's rule: 1.5x a mean
-    microbatch's patches, at least the largest sample, 256-aligned."""
-    pt = np.asarray(patches).reshape(len(patches), -1)
-    per_mb = pt.sum(axis=0) / (dp * m)
-    cap = np.maximum(pt.max(axis=0), np.ceil(1.5 * per_mb))
-    return (np.ceil(np.maximum(cap, 1) / 256) * 256).astype(np.int64)
+    """[E] encoder patch cap per encoder set, by the token cap's rule (:func:`caps`), per
+    encoder column."""
+    pt = np.asarray(patches, dtype=np.int64).reshape(len(patches), -1)
+    return np.array(
+        [max(caps(pt[:, e], dp, m)[0], 256) for e in range(pt.shape[1])], dtype=np.int64
+    )
 
 
 def pick_stages(model: ModelSpec, costs: SampleCosts, batches: np.ndarray, pp: int):

@@ -28,14 +28,14 @@ from .simulator import (
     stage_sample_costs,
     times_from_sample_costs,
 )
-from .token_caps import share_need, token_caps
+from .token_caps import count_floor, share_need, token_caps
 
 __all__ = [
     "Candidate",
     "PlanContext",
     "caps",
     "patch_cap",
-    "share_need_of",
+    "cap_need",
     "to_simulate",
     "simulate",
     "ideal",
@@ -75,19 +75,25 @@ class PlanContext:
     max_tokens: int | None = None  # the user's token cap, if pinned
     heavy_patches: int = 0  # encoder patches of the heaviest global batch, as heavy_batch
     largest_patches: int = 0  # encoder patches of the table's largest sample
+    # [B] the heavy batches' LLM tokens and encoder patches sorted largest first (elementwise
+    # largest over the batches): what the counting floor of the caps reads (count_floor)
+    token_order: np.ndarray | None = None
+    patch_order: np.ndarray | None = None
 
 
 def caps(ctx: PlanContext, dp: int, m: int) -> tuple[int, int]:
     """Token cap and deferral budget of a microbatch for (dp, m) (see :mod:`.token_caps`)."""
     heavy = max(int(ctx.tokens_b.sum(axis=1).max()), ctx.heavy_batch)
-    return token_caps(heavy, ctx.largest_sample, dp, m, ctx.max_tokens)
+    floor = count_floor(ctx.token_order, dp * m)
+    return token_caps(heavy, ctx.largest_sample, dp, m, ctx.max_tokens, floor)
 
 
 def patch_cap(ctx: PlanContext, dp: int, m: int) -> int:
     """Encoder patches per encoder set (0 without encoders): 1.5x the heaviest batch's mean
-    set, at least the largest sample, and enough that ``m`` sets hold a replica's share of the
-    heaviest batch (the token cap's rule, :mod:`.token_caps`), so the cap never makes a batch of
-    the index unassignable; the memory model holds this many patches per set."""
+    set, at least the largest sample, enough that ``m`` sets hold a replica's share of the
+    heaviest batch and at least the counting floor (the token cap's rule, :mod:`.token_caps`),
+    so the cap never makes a batch of the index unassignable; the memory model holds this many
+    patches per set."""
     if ctx.largest_patches <= 0:
         return 0
     heavy = max(int(ctx.enc_tokens_b.sum(axis=1).max()), ctx.heavy_patches)
@@ -95,12 +101,15 @@ def patch_cap(ctx: PlanContext, dp: int, m: int) -> int:
         int(math.ceil(1.5 * heavy / (dp * m))),
         ctx.largest_patches,
         share_need(heavy, ctx.largest_patches, dp, m),
+        count_floor(ctx.patch_order, dp * m),
     )
 
 
-def share_need_of(ctx: PlanContext, dp: int, m: int) -> int:
+def cap_need(ctx: PlanContext, dp: int, m: int) -> int:
+    """LLM tokens per microbatch that (dp, m) needs to serve every batch: a replica's share of
+    the heaviest batch, and the counting floor (a pinned cap below it fits no such layout)."""
     heavy = max(int(ctx.tokens_b.sum(axis=1).max()), ctx.heavy_batch)
-    return share_need(heavy, ctx.largest_sample, dp, m)
+    return max(share_need(heavy, ctx.largest_sample, dp, m), count_floor(ctx.token_order, dp * m))
 
 
 def to_simulate(cands: list[Candidate], top: int) -> list[Candidate]:

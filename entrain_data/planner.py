@@ -35,10 +35,10 @@ from .plan_layout import layer_units, memory_gb, stage_params, stages_for
 from .plan_scoring import (
     Candidate,
     PlanContext,
+    cap_need,
     caps,
     ideal,
     patch_cap,
-    share_need_of,
     simulate,
     to_simulate,
 )
@@ -57,6 +57,7 @@ from .simulator import (
 )
 from .token_caps import (
     check_token_cap,
+    heavy_batch_order,
     heavy_batch_tokens,
     pinned_cap_error,
 )
@@ -170,6 +171,8 @@ def make_plan(
         max_tokens,
         heavy_batch_tokens(patches, global_batch, seed),
         int(patches.max(initial=0)),
+        _order(tok[idx], heavy_batch_order(tok, global_batch, seed)),
+        _order(patches[idx], heavy_batch_order(patches, global_batch, seed)),
     )
     cands, smallest_need = _candidates(
         ctx,
@@ -185,7 +188,7 @@ def make_plan(
     if not cands:
         if max_tokens is not None:
             raise pinned_cap_error(
-                max_tokens, share_need_of(ctx, dp or 1, microbatches or 1), dp, microbatches
+                max_tokens, cap_need(ctx, dp or 1, microbatches or 1), dp, microbatches
             )
         if smallest_need is math.inf:
             raise PlanError(
@@ -302,6 +305,12 @@ def _profiled_batches(
     return np.stack([rng.choice(len(table), global_batch, replace=False) for _ in range(batches)])
 
 
+def _order(profiled: np.ndarray, heavy: np.ndarray) -> np.ndarray:
+    """[B] the profiled batches' ([K, B]) and the heavy batches' sizes sorted largest first,
+    elementwise largest (:func:`.token_caps.count_floor`)."""
+    return np.maximum((-np.sort(-profiled, axis=1)).max(axis=0), heavy)
+
+
 def _enc_tokens(costs: SampleCosts, idx: np.ndarray) -> np.ndarray:
     if costs.encoder_tokens.size == 0:
         return np.zeros(idx.shape)
@@ -360,7 +369,7 @@ def _candidates(
                 params = params_cache[p, k]
                 for mm in ms:
                     cap, budget = caps(ctx, d, mm)
-                    if ctx.max_tokens is not None and cap < share_need_of(ctx, d, mm):
+                    if ctx.max_tokens is not None and cap < cap_need(ctx, d, mm):
                         continue  # a pinned cap this layout's microbatches cannot serve
                     enc_tokens = patch_cap(ctx, d, mm)  # what the memory model holds
                     mean_tokens = ctx.tokens_b.sum(axis=1).mean() / (d * mm)

@@ -11,7 +11,20 @@ import numpy as np
 
 from .errors import InvalidInput, PlanError
 
-__all__ = ["token_caps", "share_need", "heavy_batch_tokens", "check_token_cap", "pinned_cap_error"]
+__all__ = [
+    "token_caps",
+    "share_need",
+    "count_floor",
+    "heavy_batch_tokens",
+    "heavy_batch_order",
+    "check_token_cap",
+    "pinned_cap_error",
+]
+
+# share of a replica's sets the counting floor keeps free of the samples it counts: room for
+# the other cap's large samples (a document page of many tokens and a large image cannot
+# share a set) and for level 1, which splits the batch by work, not by size
+_FREE_SETS = 1 / 8
 
 
 def share_need(heavy: int, largest: int, dp: int, m: int) -> int:
@@ -20,38 +33,81 @@ def share_need(heavy: int, largest: int, dp: int, m: int) -> int:
     return int(math.ceil((heavy / dp + largest) / m))
 
 
-def token_caps(heavy: int, largest: int, dp: int, m: int, pinned: int | None) -> tuple[int, int]:
+def count_floor(desc: np.ndarray | None, sets: int) -> int:
+    """The smallest cap at which ``sets`` sets hold samples of these sizes by counting alone.
+
+    ``desc``: a batch's sizes sorted largest first (or, over several batches, the elementwise
+    largest of their sorted sizes). A set holds at most ``j`` samples larger than
+    ``cap / (j + 1)``, so a batch with more than ``j * sets`` of them cannot be served however
+    the sets are cut: 132 document images each above half a 1.5x-mean patch cap in 128 sets
+    (text-heavy documents, images capped at 1280 tokens, 512 samples in 4 x 32 sets). Those
+    samples may fill 7/8 of the sets' room (see ``_FREE_SETS``); the floor is the cap at which
+    they do. 0 without sizes."""
+    if desc is None or len(desc) == 0 or sets < 1:
+        return 0
+    room = max(1, int(sets * (1 - _FREE_SETS)))
+    j = np.arange(1, (len(desc) - 1) // room + 1)
+    if not len(j):
+        return 0
+    return int(((j + 1) * np.asarray(desc)[j * room]).max())
+
+
+def token_caps(
+    heavy: int, largest: int, dp: int, m: int, pinned: int | None, floor: int = 0
+) -> tuple[int, int]:
     """(cap, deferral budget) for ``dp`` replicas of ``m`` microbatches.
 
     The cap leaves 1.5x the heaviest batch's mean microbatch so the assignment has room to
     balance cost (not tokens), never falls below the largest sample (no sample may be
-    unassignable) and holds a replica's share of the heaviest batch (:func:`share_need`).
+    unassignable), holds a replica's share of the heaviest batch (:func:`share_need`) and
+    is at least ``floor`` (:func:`count_floor` of the batches' sizes for ``dp * m`` sets).
     The deferral budget buffers about two mean microbatches of encoder output.
     """
     per_mb = heavy / (dp * m)
     budget = int(math.ceil(2 * per_mb))
     if pinned is not None:
         return pinned, budget
-    cap = max(largest, int(math.ceil(1.5 * per_mb)), share_need(heavy, largest, dp, m))
+    cap = max(largest, int(math.ceil(1.5 * per_mb)), share_need(heavy, largest, dp, m), floor)
     return int(math.ceil(cap / 256) * 256), budget
 
 
+def _shuffled_batches(n: int, global_batch: int, seed: int, epochs: int):
+    """[per_epoch, global_batch] row indices of each of ``epochs`` seeded shuffles (at most
+    ~4M samples drawn): the batches the service will cut, not only the profiled few."""
+    per_epoch = n // global_batch
+    epochs = max(1, min(epochs, (4 << 20) // max(n, 1)))
+    rng = np.random.default_rng([int(seed), 0x7C0])
+    for _ in range(epochs):
+        yield rng.permutation(n)[: per_epoch * global_batch].reshape(per_epoch, global_batch)
+
+
 def heavy_batch_tokens(tok: np.ndarray, global_batch: int, seed: int, epochs: int = 8) -> int:
-    """LLM tokens of the heaviest global batch over ``epochs`` seeded shuffles of the table (at
-    most ~4M samples drawn): the batches the service will cut, not only the profiled few."""
+    """LLM tokens of the heaviest global batch over ``epochs`` seeded shuffles of the table."""
     n = len(tok)
     if n == 0 or global_batch < 1:
         return 0
-    per_epoch = n // global_batch
-    if per_epoch == 0:
+    if n < global_batch:
         return int(tok.sum())
-    epochs = max(1, min(epochs, (4 << 20) // n))
-    rng = np.random.default_rng([int(seed), 0x7C0])
-    heavy = 0
-    for _ in range(epochs):
-        order = rng.permutation(n)[: per_epoch * global_batch]
-        heavy = max(heavy, int(tok[order].reshape(per_epoch, global_batch).sum(axis=1).max()))
-    return heavy
+    return max(
+        int(tok[b].sum(axis=1).max()) for b in _shuffled_batches(n, global_batch, seed, epochs)
+    )
+
+
+def heavy_batch_order(
+    sizes: np.ndarray, global_batch: int, seed: int, epochs: int = 8
+) -> np.ndarray:
+    """[global_batch] the elementwise largest of the batches' sizes sorted largest first, over
+    the shuffles of :func:`heavy_batch_tokens`: what :func:`count_floor` reads."""
+    n = len(sizes)
+    out = np.zeros(max(global_batch, 0), dtype=np.int64)
+    if n == 0 or global_batch < 1:
+        return out
+    if n < global_batch:
+        out[:n] = -np.sort(-np.asarray(sizes, dtype=np.int64))
+        return out
+    for b in _shuffled_batches(n, global_batch, seed, epochs):
+        out = np.maximum(out, (-np.sort(-sizes[b], axis=1)).max(axis=0))
+    return out
 
 
 def check_token_cap(keys: Sequence, tok: np.ndarray, max_tokens: int | None) -> None:

@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from entrain_data.workers.schedule import epoch_batches
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from entrain_data.assignment import assign
 from entrain_data.cost_model import per_sample_costs
@@ -17,14 +19,15 @@ from entrain_data.metadata import write_index
 from entrain_data.plan import Cluster
 from entrain_data.planner import make_plan
 from entrain_data.presets import ModelSpec
+from entrain_data.token_caps import _shuffled_batches, count_floor, heavy_batch_order
 from entrain_data.workloads import synthesize
 
 SPEC = ModelSpec.from_names(["qwen2.5-vl-vision"], "llama-3.2-1b")
 
 
-def _serve_every_batch(table, plan, seed: int, epochs: int) -> int:
+def _serve_every_batch(table, plan, seed: int, epochs: int, spec: ModelSpec = SPEC) -> int:
     """Assign every global batch the service would cut in ``epochs`` epochs; returns how many."""
-    costs = per_sample_costs(table, SPEC)
+    costs = per_sample_costs(table, spec)
     enc, llm, tok = costs.encoder_cost(), costs.llm_cost(), costs.llm_tokens
     patches = costs.encoder_tokens.astype(np.int64)
     done = 0
@@ -64,6 +67,48 @@ def test_plan_serves_every_batch_of_its_index(workload, samples, batch, microbat
         table, SPEC, Cluster(2, 2, 80.0), batch, dp=2, tp=1, pp=1, microbatches=microbatches
     )
     assert _serve_every_batch(table, plan, seed=11, epochs=4) >= 4
+
+
+def test_plan_serves_documents_whose_images_crowd_the_patch_cap():
+    """Images capped at 1280 tokens sit at ~4900 patches each, a quarter of a text-heavy table
+    holds one, and a set holds four samples: the token cap's rule (1.5x a mean set) gave 9517
+    patches, so more images than sets each took more than half a set and batches of the index
+    could not be served (replica 1: cannot pack 256 samples into 64 microbatches). The counting
+    floor raises the cap until they fit."""
+    spec = ModelSpec.from_names(["qwen2.5-vl-vision-1280"], "llama-3.2-1b")
+    table = synthesize("text-heavy", 8192, seed=4)
+    plan = make_plan(table, spec, Cluster(4, 4, 80.0), 1024, dp=4, tp=1, pp=1, microbatches=64)
+    assert _serve_every_batch(table, plan, seed=11, epochs=2, spec=spec) == 16
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    sets=st.integers(1, 64),
+    per=st.integers(1, 8),
+    heavy=st.floats(0.0, 1.0),
+)
+def test_count_floor_leaves_an_eighth_of_the_room(seed, sets, per, heavy):
+    """At a cap at the floor (and above the largest sample), at most j samples per set are
+    larger than cap / (j + 1) on 7/8 of the sets: whatever the sizes, no batch is refused by
+    counting."""
+    rng = np.random.default_rng(seed)
+    n = sets * per
+    sizes = np.where(rng.random(n) < heavy, rng.integers(4800, 5100, n), rng.integers(0, 900, n))
+    cap = max(count_floor(-np.sort(-sizes), sets), int(sizes.max()))
+    room = max(1, int(sets * 7 / 8))
+    for j in range(1, per + 1):
+        assert (sizes > cap / (j + 1)).sum() <= j * room
+
+
+def test_heavy_batch_order_is_the_elementwise_largest_sorted_batch():
+    """Position k holds the largest k-th largest size over the shuffled batches (the floor
+    must hold for the heaviest of them, not for a typical one)."""
+    sizes = np.random.default_rng(0).integers(0, 1000, 900)
+    got = heavy_batch_order(sizes, 100, seed=3)
+    batches = np.concatenate(list(_shuffled_batches(900, 100, 3, 8)))
+    assert np.array_equal(got, np.sort(sizes[batches], axis=1)[:, ::-1].max(axis=0))
+    assert got[0] == sizes.max() and (np.diff(got) <= 0).all()
 
 
 def test_pinned_cap_below_a_sample_names_the_samples():
