@@ -107,9 +107,11 @@ def patch_cap(ctx: PlanContext, dp: int, m: int) -> int:
 
 def cap_need(ctx: PlanContext, dp: int, m: int) -> int:
     """LLM tokens per microbatch that (dp, m) needs to serve every batch: a replica's share of
-    the heaviest batch, and the counting floor (a pinned cap below it fits no such layout)."""
+    the heaviest batch, and the strict counting floor (no set kept free: a pinned cap below it
+    cannot serve the heaviest batch however its sets are cut, so it fits no such layout)."""
     heavy = max(int(ctx.tokens_b.sum(axis=1).max()), ctx.heavy_batch)
-    return max(share_need(heavy, ctx.largest_sample, dp, m), count_floor(ctx.token_order, dp * m))
+    strict = count_floor(ctx.token_order, dp * m, free=0.0)
+    return max(share_need(heavy, ctx.largest_sample, dp, m), strict)
 
 
 def to_simulate(cands: list[Candidate], top: int) -> list[Candidate]:

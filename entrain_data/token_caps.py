@@ -33,7 +33,7 @@ def share_need(heavy: int, largest: int, dp: int, m: int) -> int:
     return int(math.ceil((heavy / dp + largest) / m))
 
 
-def count_floor(desc: np.ndarray | None, sets: int) -> int:
+def count_floor(desc: np.ndarray | None, sets: int, free: float = _FREE_SETS) -> int:
     """The smallest cap at which ``sets`` sets hold samples of these sizes by counting alone.
 
     ``desc``: a batch's sizes sorted largest first (or, over several batches, the elementwise
@@ -41,11 +41,12 @@ def count_floor(desc: np.ndarray | None, sets: int) -> int:
     ``cap / (j + 1)``, so a batch with more than ``j * sets`` of them cannot be served however
     the sets are cut: 132 document images each above half a 1.5x-mean patch cap in 128 sets
     (text-heavy documents, images capped at 1280 tokens, 512 samples in 4 x 32 sets). Those
-    samples may fill 7/8 of the sets' room (see ``_FREE_SETS``); the floor is the cap at which
-    they do. 0 without sizes."""
+    samples may fill ``1 - free`` of the sets' room (7/8 by default, see ``_FREE_SETS``; with
+    ``free=0`` the floor is a strict bound: below it no cut serves the batch); the floor is the
+    cap at which they do. 0 without sizes."""
     if desc is None or len(desc) == 0 or sets < 1:
         return 0
-    room = max(1, int(sets * (1 - _FREE_SETS)))
+    room = max(1, int(sets * (1 - free)))
     j = np.arange(1, (len(desc) - 1) // room + 1)
     if not len(j):
         return 0
