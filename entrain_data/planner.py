@@ -57,8 +57,7 @@ from .simulator import (
 )
 from .token_caps import (
     check_token_cap,
-    heavy_batch_order,
-    heavy_batch_tokens,
+    heavy_batches,
     pinned_cap_error,
 )
 
@@ -160,6 +159,8 @@ def make_plan(
         if costs.encoder_tokens.size
         else np.zeros(len(tok), dtype=np.int64)
     )
+    heavy_tok, tok_order = heavy_batches(tok, global_batch, seed)
+    heavy_pt, pt_order = heavy_batches(patches, global_batch, seed)
     ctx = PlanContext(
         model,
         cluster,
@@ -167,12 +168,12 @@ def make_plan(
         tok[idx],
         int(tok.max()),
         _enc_tokens(costs, idx),
-        heavy_batch_tokens(tok, global_batch, seed),
+        heavy_tok,
         max_tokens,
-        heavy_batch_tokens(patches, global_batch, seed),
+        heavy_pt,
         int(patches.max(initial=0)),
-        _order(tok[idx], heavy_batch_order(tok, global_batch, seed)),
-        _order(patches[idx], heavy_batch_order(patches, global_batch, seed)),
+        _order(tok[idx], tok_order),
+        _order(patches[idx], pt_order),
     )
     cands, smallest_need = _candidates(
         ctx,

@@ -15,8 +15,7 @@ __all__ = [
     "token_caps",
     "share_need",
     "count_floor",
-    "heavy_batch_tokens",
-    "heavy_batch_order",
+    "heavy_batches",
     "check_token_cap",
     "pinned_cap_error",
 ]
@@ -82,33 +81,24 @@ def _shuffled_batches(n: int, global_batch: int, seed: int, epochs: int):
         yield rng.permutation(n)[: per_epoch * global_batch].reshape(per_epoch, global_batch)
 
 
-def heavy_batch_tokens(tok: np.ndarray, global_batch: int, seed: int, epochs: int = 8) -> int:
-    """LLM tokens of the heaviest global batch over ``epochs`` seeded shuffles of the table."""
-    n = len(tok)
-    if n == 0 or global_batch < 1:
-        return 0
-    if n < global_batch:
-        return int(tok.sum())
-    return max(
-        int(tok[b].sum(axis=1).max()) for b in _shuffled_batches(n, global_batch, seed, epochs)
-    )
-
-
-def heavy_batch_order(
+def heavy_batches(
     sizes: np.ndarray, global_batch: int, seed: int, epochs: int = 8
-) -> np.ndarray:
-    """[global_batch] the elementwise largest of the batches' sizes sorted largest first, over
-    the shuffles of :func:`heavy_batch_tokens`: what :func:`count_floor` reads."""
+) -> tuple[int, np.ndarray]:
+    """Over ``epochs`` seeded shuffles of the table, in one pass: the heaviest global batch's
+    total size (LLM tokens, or encoder patches) and [global_batch] the elementwise largest of
+    the batches' sizes sorted largest first (what :func:`count_floor` reads)."""
     n = len(sizes)
-    out = np.zeros(max(global_batch, 0), dtype=np.int64)
+    order = np.zeros(max(global_batch, 0), dtype=np.int64)
     if n == 0 or global_batch < 1:
-        return out
+        return 0, order
     if n < global_batch:
-        out[:n] = -np.sort(-np.asarray(sizes, dtype=np.int64))
-        return out
+        order[:n] = -np.sort(-np.asarray(sizes, dtype=np.int64))
+        return int(np.sum(sizes)), order
+    heavy = 0
     for b in _shuffled_batches(n, global_batch, seed, epochs):
-        out = np.maximum(out, (-np.sort(-sizes[b], axis=1)).max(axis=0))
-    return out
+        heavy = max(heavy, int(sizes[b].sum(axis=1).max()))
+        order = np.maximum(order, (-np.sort(-sizes[b], axis=1)).max(axis=0))
+    return heavy, order
 
 
 def check_token_cap(keys: Sequence, tok: np.ndarray, max_tokens: int | None) -> None:

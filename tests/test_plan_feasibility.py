@@ -19,7 +19,7 @@ from entrain_data.metadata import write_index
 from entrain_data.plan import Cluster
 from entrain_data.planner import make_plan
 from entrain_data.presets import ModelSpec
-from entrain_data.token_caps import _shuffled_batches, count_floor, heavy_batch_order
+from entrain_data.token_caps import _shuffled_batches, count_floor, heavy_batches
 from entrain_data.workloads import synthesize
 
 SPEC = ModelSpec.from_names(["qwen2.5-vl-vision"], "llama-3.2-1b")
@@ -101,12 +101,13 @@ def test_count_floor_leaves_an_eighth_of_the_room(seed, sets, per, heavy):
         assert (sizes > cap / (j + 1)).sum() <= j * room
 
 
-def test_heavy_batch_order_is_the_elementwise_largest_sorted_batch():
+def test_heavy_batches_give_the_heaviest_total_and_the_elementwise_largest_sorted_batch():
     """Position k holds the largest k-th largest size over the shuffled batches (the floor
     must hold for the heaviest of them, not for a typical one)."""
     sizes = np.random.default_rng(0).integers(0, 1000, 900)
-    got = heavy_batch_order(sizes, 100, seed=3)
+    heavy, got = heavy_batches(sizes, 100, seed=3)
     batches = np.concatenate(list(_shuffled_batches(900, 100, 3, 8)))
+    assert heavy == sizes[batches].sum(axis=1).max()
     assert np.array_equal(got, np.sort(sizes[batches], axis=1)[:, ::-1].max(axis=0))
     assert got[0] == sizes.max() and (np.diff(got) <= 0).all()
 
