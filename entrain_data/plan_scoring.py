@@ -4,7 +4,6 @@ batches (:func:`simulate`), which :func:`~entrain_data.planner.make_plan` picks 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,7 +27,7 @@ from .simulator import (
     stage_sample_costs,
     times_from_sample_costs,
 )
-from .token_caps import count_floor, share_need, token_caps
+from .token_caps import cap_rule, count_floor, share_need, token_caps
 
 __all__ = [
     "Candidate",
@@ -97,12 +96,7 @@ def patch_cap(ctx: PlanContext, dp: int, m: int) -> int:
     if ctx.largest_patches <= 0:
         return 0
     heavy = max(int(ctx.enc_tokens_b.sum(axis=1).max()), ctx.heavy_patches)
-    return max(
-        int(math.ceil(1.5 * heavy / (dp * m))),
-        ctx.largest_patches,
-        share_need(heavy, ctx.largest_patches, dp, m),
-        count_floor(ctx.patch_order, dp * m),
-    )
+    return cap_rule(heavy, ctx.largest_patches, dp, m, count_floor(ctx.patch_order, dp * m))
 
 
 def cap_need(ctx: PlanContext, dp: int, m: int) -> int:

@@ -13,6 +13,7 @@ from .errors import InvalidInput, PlanError
 
 __all__ = [
     "token_caps",
+    "cap_rule",
     "share_need",
     "count_floor",
     "heavy_batches",
@@ -63,12 +64,19 @@ def token_caps(
     is at least ``floor`` (:func:`count_floor` of the batches' sizes for ``dp * m`` sets).
     The deferral budget buffers about two mean microbatches of encoder output.
     """
-    per_mb = heavy / (dp * m)
-    budget = int(math.ceil(2 * per_mb))
+    budget = int(math.ceil(2 * heavy / (dp * m)))
     if pinned is not None:
         return pinned, budget
-    cap = max(largest, int(math.ceil(1.5 * per_mb)), share_need(heavy, largest, dp, m), floor)
-    return int(math.ceil(cap / 256) * 256), budget
+    return int(math.ceil(cap_rule(heavy, largest, dp, m, floor) / 256) * 256), budget
+
+
+def cap_rule(heavy: int, largest: int, dp: int, m: int, floor: int = 0) -> int:
+    """The cap's rule before alignment, for LLM tokens or encoder patches alike: 1.5x the
+    heaviest batch's mean set, the largest sample, a replica's share (:func:`share_need`)
+    and ``floor`` (:func:`count_floor`), whichever is largest."""
+    return max(
+        largest, int(math.ceil(1.5 * (heavy / (dp * m)))), share_need(heavy, largest, dp, m), floor
+    )
 
 
 def _shuffled_batches(n: int, global_batch: int, seed: int, epochs: int):
