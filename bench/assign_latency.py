@@ -2,8 +2,9 @@
 
 The loader runs the assignment ahead of training, once per iteration, so it
 must stay far below an iteration (seconds). Costs come from the cost model on
-the qwen2vl-dynamic workload (Qwen2.5-VL ViT + Llama-3.2-1B); the token cap, the
-encoder patch cap and the deferral budget follow the planner's rule.
+the qwen2vl-dynamic workload (Qwen2.5-VL ViT + Llama-3.2-1B; ``--workload`` and ``--model``
+choose others); the token cap, the encoder patch cap and the deferral budget follow the
+planner's rule.
 
     python bench/assign_latency.py                     # every method, B 512..65536
     python bench/assign_latency.py --methods entrain --batches 8192 --dps 128 --microbatches 16
@@ -37,11 +38,14 @@ def main(argv=None) -> int:
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--workload", default="qwen2vl-dynamic")
+    p.add_argument("--model", default="vl-1b", help="a model of bench/_common.py's MODELS")
     p.add_argument("--pp", type=int, default=None, help="pipeline_stages entrain is told")
     args = p.parse_args(argv)
     sizes = [int(b) for b in args.batches.split(",")]
     table = synthesize(args.workload, max(sizes), seed=0)
-    costs = model_costs("vl-1b", table)
+    costs = model_costs(args.model, table)
+    if costs is None:
+        p.error(f"model {args.model!r} has no encoder for {args.workload!r}'s media")
     enc_all, llm_all, tok_all = costs.encoder_cost(), costs.llm_cost(), costs.llm_tokens
     pt_all = costs.encoder_tokens.astype(np.int64)
     rows_out = []

@@ -182,6 +182,7 @@ def refine_vector(
     m: int,
     iters: int,
     profile: np.ndarray | None = None,
+    weight: np.ndarray | None = None,
 ) -> None:
     """Improve [R, n] bin ids of :func:`vector_bins` in place: move or swap items between each
     row's worst bin and the bin whose deviation from the per-bin target most opposes it (the
@@ -191,6 +192,8 @@ def refine_vector(
     Vector LPT fills a bin until its *worst* column reaches the target, so the other
     columns end unbalanced: where one column is a count (every clip padded to 30 s, every
     image at one resolution) its bins hold 3 or 5 items where 4 would balance every column.
+    ``weight`` [D] counts each column's squared deviation that many times (as that many
+    copies of the column would, without their cost).
     Each step tries every (move, swap) among the ``_PAIR_ITEMS`` items of each bin whose leaving
     helps most (projected on the two bins' deviation difference; all of them in bins that small):
     O(R * (n + _PAIR_ITEMS^2) * D) a step, whatever the bins hold.
@@ -204,6 +207,10 @@ def refine_vector(
     slot = np.where(valid, bins, m)  # invalid items in an extra, ignored bin
     prof = np.ones((r_count, m)) if profile is None else np.asarray(profile, dtype=np.float64)
     on = np.where(target > 0, 1.0, 0.0)[:, None, :]
+    if weight is not None:  # a column counted k times: deviations scaled by sqrt(k)
+        root = np.sqrt(np.asarray(weight, dtype=np.float64))
+        wn = wn * root
+        on = on * root
     dev = slot_sums(slot, wn, valid, m) - prof[:, :, None] * on  # [R, m, D]
     counts = slot_sums(slot, np.ones((r_count, n)), valid, m)
     if compiled.enabled():

@@ -66,7 +66,14 @@ from .encoder_sets import (
     refine_vector,
     vector_bins,
 )
-from .llm_sets import ffd_joint, fits_cap, fits_patches, llm_sets_fill, llm_sets_lpt
+from .llm_sets import (
+    ffd_joint,
+    fits_cap,
+    fits_patches,
+    llm_sets_fill,
+    llm_sets_lpt,
+    repair_joint,
+)
 from .pipeline_search import proxy_times, random_cut_cv, refine_slowest, stage_costs
 from .replica_split import fit_caps, norm_columns, split_replicas
 from .shaping import shaped_candidates
@@ -96,6 +103,10 @@ _ENC_FIRST = 16
 # a replica slower than the others can be may take a less even candidate, each module's
 # CV within this share of a random equal-count cut's (see _stragglers)
 _STRAGGLER_CV = 0.75
+# with several encoders their summed load is a module (Replicas.module_costs): the vector
+# candidates count its squared deviation this many times a column's (at 1 the sum of two
+# near-constant encoders stayed 0.036 against sequential's 0.019, at 4 0.009-0.012)
+_TOTAL_WEIGHT = 4
 _VECTOR_ROUNDS = 4  # refine_vector steps per microbatch on the vector candidate
 # a shaped candidate (light first and last microbatch, :mod:`.shaping`) must be this much
 # faster by the proxy than the best even one: below it, even sets are worth more than
@@ -173,6 +184,8 @@ def _assign(x: Inputs, seed: int, iteration: int, tolerance: float):
     cols = np.concatenate([x.enc, x.llm[:, None]], axis=1)
     if x.stages == 1:  # one stage runs every module: only the replica's total work counts
         cols = cols.sum(axis=1, keepdims=True)
+    else:  # an encoder without work in this batch is no module
+        cols = cols[:, np.append(cols[:, :-1].any(axis=0), True)]
     w = norm_columns(cols)
     rp = replicas_of(x, fit_caps(split_replicas(w, x.dp, rng), x, w))
     cands = _candidates(rp, tolerance)
@@ -210,25 +223,41 @@ def _candidates(rp: Replicas, tolerance: float) -> list[Candidate]:
     # sets, and joint sets balancing the LLM and tokens only) won 2 of 736 replica picks
     # (before refine_vector existed): they are not built.
     tokf = rp.tok[..., None].astype(np.float64)
-    wv = np.concatenate([rp.enc_cols, rp.llm[..., None], tokf], axis=2)
+    wv = _vector_columns(rp, [rp.enc_cols], 1, tokf)
     vb = _vector_sets(rp, wv)
     cands += shaped_candidates(rp, vb, wv, eidx_d, tolerance, _VECTOR_ROUNDS * m)
-    cands.append(_joint(rp, order_by_llm(vb, valid, rp.llm, m)))
+    cands.append(_joint(rp, order_by_llm(vb, valid, rp.llm, m), wv))
     # the same with the encoder columns weighed _ENC_FIRST times (see there)
-    wx = np.concatenate([rp.enc_cols] * _ENC_FIRST + [rp.llm[..., None], tokf], axis=2)
-    cands.append(_joint(rp, order_by_llm(_vector_sets(rp, wx), valid, rp.llm, m)))
+    wx = _vector_columns(rp, [rp.enc_cols] * _ENC_FIRST, _ENC_FIRST, tokf)
+    cands.append(_joint(rp, order_by_llm(_vector_sets(rp, wx), valid, rp.llm, m), wx))
     return cands
 
 
-def _vector_sets(rp: Replicas, w: np.ndarray) -> np.ndarray:
-    """[R, n] joint sets balancing every column of ``w`` [R, n, D] (vector LPT, refined)."""
-    bins = vector_bins(w, rp.valid, rp.m)
-    refine_vector(bins, w, rp.valid, rp.m, iters=_VECTOR_ROUNDS * rp.m)
+def _vector_columns(rp: Replicas, enc: list[np.ndarray], times: int, tokf: np.ndarray):
+    """(columns [R, n, D], weight [D]) the vector candidates balance: the encoder columns
+    ``enc``, with several encoders their sum counted ``_TOTAL_WEIGHT * times`` times (as one
+    weighted column: copies cost refine_vector a column each), the LLM and the tokens."""
+    total = [rp.enc_cols.sum(axis=2, keepdims=True)] if rp.encoders_together else []
+    cols = np.concatenate(enc + total + [rp.llm[..., None], tokf], axis=2)
+    weight = np.ones(cols.shape[2])
+    if total:
+        weight[-3] = _TOTAL_WEIGHT * times
+    return cols, weight
+
+
+def _vector_sets(rp: Replicas, w) -> np.ndarray:
+    """[R, n] joint sets balancing every column of ``w`` ((columns [R, n, D], weight [D]):
+    vector LPT, refined)."""
+    cols, weight = w
+    bins = vector_bins(cols, rp.valid, rp.m)
+    refine_vector(bins, cols, rp.valid, rp.m, iters=_VECTOR_ROUNDS * rp.m, weight=weight)
     return bins
 
 
-def _joint(rp: Replicas, bins: np.ndarray) -> Candidate:
-    """Joint sets (E == L), failed where they break the token cap."""
+def _joint(rp: Replicas, bins: np.ndarray, w) -> Candidate:
+    """Joint sets (E == L) balanced on ``w`` (columns, weights), repaired under the caps
+    where exchanges can (:func:`.llm_sets.repair_joint`), failed where they still break one."""
+    bins = repair_joint(rp, bins, *w)
     return Candidate(bins, bins, ~fits_cap(rp, bins))
 
 
@@ -331,7 +360,7 @@ def _stragglers(rp: Replicas, scored, keys, pick, best_key, stage):
     of the candidates that reach it within that bound, the best balanced (lowest score);
     the others keep their pick. Where the slowest replica cannot be faster nothing changes.
     """
-    rc = random_cut_cv(np.concatenate([rp.enc_cols, rp.llm[..., None]], axis=2), rp.valid, rp.m)
+    rc = random_cut_cv(rp.module_costs(), rp.valid, rp.m)
     times = np.full((len(scored), len(pick)), np.inf)
     for i, (e_eff, cl, sc, _) in enumerate(scored):
         ok = np.isfinite(sc)
@@ -356,11 +385,15 @@ def _stragglers(rp: Replicas, scored, keys, pick, best_key, stage):
 
 
 def _module_loads(rp: Replicas, eidx, lidx) -> np.ndarray:
-    """[R, m, K] per-microbatch load of each encoder column (E sets) and the LLM (L sets)."""
+    """[R, m, K] per-microbatch load of each module of :meth:`Replicas.module_costs` (the
+    encoders from the E sets, the LLM from the L sets)."""
     m, valid = rp.m, rp.valid
     e_loads = slot_sums(eidx, rp.enc_cols, valid & (eidx >= 0), m)
     l_loads = slot_sums(lidx, rp.llm, valid & (lidx >= 0), m)[..., None]
-    return np.concatenate([e_loads, l_loads], axis=2)
+    parts = [e_loads]
+    if rp.encoders_together:  # as in Replicas.module_costs
+        parts.append(e_loads.sum(axis=2, keepdims=True))
+    return np.concatenate(parts + [l_loads], axis=2)
 
 
 def _module_cv(rp: Replicas, e_eff, lidx) -> np.ndarray:

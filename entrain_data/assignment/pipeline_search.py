@@ -268,7 +268,7 @@ def refine_by_pipeline(
     satisfy the invariants (L >= E, E == L for samples without encoder work, the
     token cap, the patch cap and the budget); so do the outputs.
     """
-    valid, has_enc, enc_cols, llm, tok = rp.valid, rp.has_enc, rp.enc_cols, rp.llm, rp.tok
+    valid, has_enc, llm, tok = rp.valid, rp.has_enc, rp.llm, rp.tok
     m, cap, budget = rp.m, rp.cap, rp.budget
     r_count, n = llm.shape
     rounds = _ROUNDS if rounds is None else rounds
@@ -295,9 +295,10 @@ def refine_by_pipeline(
     # the cost of a round grows with replicas x candidates: cap their product
     k_count = max(2, min(candidates, _CANDIDATE_BUDGET // r_count))
     order = np.argsort(~valid, axis=1, kind="stable")  # valid members first
-    # per-microbatch module loads (each encoder column from E, the LLM from L) and the
-    # sum of squares each may reach (see cv_limits)
-    mod_e = np.where(valid[..., None], enc_cols, 0.0)
+    # per-microbatch module loads (each encoder column and, with several, their sum from E;
+    # the LLM from L: Replicas.module_costs) and the sum of squares each may reach (see
+    # cv_limits)
+    mod_e = np.where(valid[..., None], rp.module_costs()[..., :-1], 0.0)
     llm_v = np.where(valid, llm, 0.0)[..., None]
     mod = np.concatenate([_loads(eidx, mod_e, valid, m), _loads(lidx, llm_v, valid, m)], axis=2)
     mean = mod.mean(axis=1)  # [R, K]

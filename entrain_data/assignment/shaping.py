@@ -30,7 +30,7 @@ import numpy as np
 
 from .common import Candidate, Replicas
 from .encoder_sets import refine_vector
-from .llm_sets import fits_cap, llm_sets_fill
+from .llm_sets import fits_cap, llm_sets_fill, repair_joint
 from .pipeline_search import random_cut_cv
 
 __all__ = ["edge_shape", "shape_amplitudes", "shaped_candidates"]
@@ -58,7 +58,7 @@ def shape_amplitudes(rp: Replicas) -> tuple[np.ndarray, np.ndarray]:
     unit = float(edge_shape(m).std())
     if unit <= 0:
         return np.zeros(r_count), np.zeros(r_count)
-    cost = np.concatenate([rp.enc_cols, rp.llm[..., None]], axis=2)  # [R, n, K]
+    cost = rp.module_costs()  # [R, n, K]
     c = np.where(valid[..., None], cost, 0.0)
     used = c.sum(axis=1) > 0  # [R, K] modules with work on this replica
     rc = np.where(used, random_cut_cv(cost, valid, m), np.inf)
@@ -76,7 +76,7 @@ def shape_amplitudes(rp: Replicas) -> tuple[np.ndarray, np.ndarray]:
 def shaped_candidates(
     rp: Replicas,
     vector_sets: np.ndarray,
-    wv: np.ndarray,
+    wv: tuple[np.ndarray, np.ndarray],
     deferring_order: np.ndarray,
     tolerance: float,
     refine_iters: int,
@@ -84,7 +84,7 @@ def shaped_candidates(
     """Shaped variants of two even candidates, each with its ``profile`` (the per-microbatch
     load share every module is balanced against):
 
-    - joint sets (E = L): the vector candidate's sets (``vector_sets`` over columns ``wv``)
+    - joint sets (E = L): the vector candidate's sets (``vector_sets`` over ``wv``: columns and their weights)
       refined toward the shaped per-bin targets (``refine_iters`` steps), every module
       shaped;
     - deferring sets: the LLM sets filled toward the shaped running target on the
@@ -94,7 +94,7 @@ def shaped_candidates(
     """
     m, valid = rp.m, rp.valid
     r_count = valid.shape[0]
-    k_count = rp.enc_cols.shape[2] + 1
+    k_count = rp.module_costs().shape[2]
     if m < 3:
         return []
     amp, amp_llm = shape_amplitudes(rp)
@@ -104,7 +104,8 @@ def shaped_candidates(
         if (amp > 0).any():
             prof = 1.0 + (scale * amp)[:, None] * shape  # [R, m]
             joint = vector_sets.copy()
-            refine_vector(joint, wv, valid, m, iters=refine_iters, profile=prof)
+            refine_vector(joint, wv[0], valid, m, iters=refine_iters, profile=prof, weight=wv[1])
+            joint = repair_joint(rp, joint, *wv)
             every = np.repeat(prof[..., None], k_count, axis=2)
             # replicas without room keep the even candidates
             out.append(Candidate(joint, joint, (amp <= 0) | ~fits_cap(rp, joint), every))
