@@ -258,10 +258,10 @@ def repair_joint(
     fits or no exchange helps.
 
     Balanced joint sets weigh tokens as one column among several, so a replica holding the
-    batch's longest transcripts can end one set above the cap while others have room: the
-    whole candidate was lost there, and with it the fastest sets of the replicas that set
-    the iteration time (common-voice-ps with a 1B LLM, Whisper three stages of four, at
-    4096 / dp 16: 3.5% behind ``disttrain``). Replicas whose sets fit are untouched."""
+    batch's longest documents can end one set above the cap while others have room: the
+    whole candidate was lost on that replica, which then ran a deferring candidate or the
+    FFD fallback (text-heavy with 1280-token images at 512 / dp 4 / 32: 1.031 -> 1.138 of the
+    best keeping peer with the repair). Replicas whose sets fit are untouched."""
     ok = fits_cap(rp, bins)
     if ok.all():
         return bins

@@ -84,9 +84,9 @@ def shaped_candidates(
     """Shaped variants of two even candidates, each with its ``profile`` (the per-microbatch
     load share every module is balanced against):
 
-    - joint sets (E = L): the vector candidate's sets (``vector_sets`` over ``wv``: columns and their weights)
-      refined toward the shaped per-bin targets (``refine_iters`` steps), every module
-      shaped;
+    - joint sets (E = L): the vector candidate's sets (``vector_sets`` over ``wv``, its
+      columns and their weights) refined toward the shaped per-bin targets (``refine_iters``
+      steps) and repaired under the caps, every module shaped;
     - deferring sets: the LLM sets filled toward the shaped running target on the
       encoder sets ``deferring_order`` (LLM-heaviest first: the most room to shape), the
       LLM shaped, the encoder sets as they are (so only the LLM's random-cut CV bounds
