@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 import numpy as np
 
@@ -117,18 +118,19 @@ class Replicas:
     frozen: np.ndarray | None = None  # [E] bool: forward only (no encoder backward in L sets)
     stages: int = DEFAULT_PIPELINE_STAGES  # depth of the proxy pipeline (the plan's pp)
 
+    @cached_property
     def module_costs(self) -> np.ndarray:
         """[R, n, K] per-sample cost of every module level 2 balances: each encoder column,
         with several encoders their sum (they share the encoder stages and are reported as
         one encoder load: each column even but their counts uneven leaves the sum 3x less
         even than a fixed-count cut where every sample carries one fixed-size item), and the
-        LLM last."""
+        LLM last. Computed once per value (read by the score, the bounds and the search)."""
         parts = [self.enc_cols]
         if self.encoders_together:
             parts.append(self.enc_cols.sum(axis=2, keepdims=True))
         return np.concatenate(parts + [self.llm[..., None]], axis=2)
 
-    @property
+    @cached_property
     def encoders_together(self) -> bool:
         """Whether more than one encoder column carries work (their sum is a module then)."""
         return int((self.enc_cols != 0).any(axis=(0, 1)).sum()) > 1

@@ -233,19 +233,20 @@ def _candidates(rp: Replicas, tolerance: float) -> list[Candidate]:
     return cands
 
 
-def _vector_columns(rp: Replicas, enc: list[np.ndarray], times: int, tokf: np.ndarray):
+def _vector_columns(
+    rp: Replicas, enc: list[np.ndarray], times: int, tokf: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """(columns [R, n, D], weight [D]) the vector candidates balance: the encoder columns
     ``enc``, with several encoders their sum counted ``_TOTAL_WEIGHT * times`` times (as one
     weighted column: copies cost refine_vector a column each), the LLM and the tokens."""
-    total = [rp.enc_cols.sum(axis=2, keepdims=True)] if rp.encoders_together else []
+    total = [rp.module_costs[..., -2:-1]] if rp.encoders_together else []
     cols = np.concatenate(enc + total + [rp.llm[..., None], tokf], axis=2)
-    weight = np.ones(cols.shape[2])
-    if total:
-        weight[-3] = _TOTAL_WEIGHT * times
+    n_enc = sum(e.shape[2] for e in enc)
+    weight = np.concatenate([np.ones(n_enc), [_TOTAL_WEIGHT * times] * len(total), [1.0, 1.0]])
     return cols, weight
 
 
-def _vector_sets(rp: Replicas, w) -> np.ndarray:
+def _vector_sets(rp: Replicas, w: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
     """[R, n] joint sets balancing every column of ``w`` ((columns [R, n, D], weight [D]):
     vector LPT, refined)."""
     cols, weight = w
@@ -254,7 +255,7 @@ def _vector_sets(rp: Replicas, w) -> np.ndarray:
     return bins
 
 
-def _joint(rp: Replicas, bins: np.ndarray, w) -> Candidate:
+def _joint(rp: Replicas, bins: np.ndarray, w: tuple[np.ndarray, np.ndarray]) -> Candidate:
     """Joint sets (E == L) balanced on ``w`` (columns, weights), repaired under the caps
     where exchanges can (:func:`.llm_sets.repair_joint`), failed where they still break one."""
     bins = repair_joint(rp, bins, *w)
@@ -360,7 +361,7 @@ def _stragglers(rp: Replicas, scored, keys, pick, best_key, stage):
     of the candidates that reach it within that bound, the best balanced (lowest score);
     the others keep their pick. Where the slowest replica cannot be faster nothing changes.
     """
-    rc = random_cut_cv(rp.module_costs(), rp.valid, rp.m)
+    rc = random_cut_cv(rp.module_costs, rp.valid, rp.m)
     times = np.full((len(scored), len(pick)), np.inf)
     for i, (e_eff, cl, sc, _) in enumerate(scored):
         ok = np.isfinite(sc)

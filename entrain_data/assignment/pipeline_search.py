@@ -298,7 +298,7 @@ def refine_by_pipeline(
     # per-microbatch module loads (each encoder column and, with several, their sum from E;
     # the LLM from L: Replicas.module_costs) and the sum of squares each may reach (see
     # cv_limits)
-    mod_e = np.where(valid[..., None], rp.module_costs()[..., :-1], 0.0)
+    mod_e = np.where(valid[..., None], rp.module_costs[..., :-1], 0.0)
     llm_v = np.where(valid, llm, 0.0)[..., None]
     mod = np.concatenate([_loads(eidx, mod_e, valid, m), _loads(lidx, llm_v, valid, m)], axis=2)
     mean = mod.mean(axis=1)  # [R, K]

@@ -58,7 +58,7 @@ def shape_amplitudes(rp: Replicas) -> tuple[np.ndarray, np.ndarray]:
     unit = float(edge_shape(m).std())
     if unit <= 0:
         return np.zeros(r_count), np.zeros(r_count)
-    cost = rp.module_costs()  # [R, n, K]
+    cost = rp.module_costs  # [R, n, K]
     c = np.where(valid[..., None], cost, 0.0)
     used = c.sum(axis=1) > 0  # [R, K] modules with work on this replica
     rc = np.where(used, random_cut_cv(cost, valid, m), np.inf)
@@ -94,7 +94,7 @@ def shaped_candidates(
     """
     m, valid = rp.m, rp.valid
     r_count = valid.shape[0]
-    k_count = rp.module_costs().shape[2]
+    k_count = rp.module_costs.shape[2]
     if m < 3:
         return []
     amp, amp_llm = shape_amplitudes(rp)
