@@ -181,3 +181,39 @@ def test_slot_sums_compiled_equals_numpy(extra):
     ints = rng.integers(0, 1000, (5, 40))
     a, b = _both(lambda: slot_sums(idx, ints, valid, 7))
     assert np.array_equal(a, b)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    dp=st.sampled_from([2, 3, 7, 40, 128]),
+    per=st.integers(1, 90),
+    d=st.integers(1, 4),
+    pad=st.booleans(),
+)
+def test_level1_split_compiled_equals_numpy(seed, dp, per, d, pad):
+    # level 1 on its own: both refinements, more members than either samples (16, 64),
+    # pads (B not a multiple of dp), ties (a count column), an idle module (zeros)
+    from entrain_data.assignment.replica_split import norm_columns, split_replicas
+
+    rng = np.random.default_rng(seed)
+    b = dp * per - (int(rng.integers(1, dp)) if pad and per > 1 else 0)
+    w = rng.lognormal(0, 1.5, (b, d))
+    if d > 1:
+        w[:, 0] = 1.0
+    if d > 2:
+        w[:, 1] = 0.0
+    a, c = _both(lambda: split_replicas(norm_columns(w), dp, np.random.default_rng(seed)))
+    assert np.array_equal(a, c)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), m=st.integers(1, 12), k=st.integers(1, 3))
+def test_cap_packing_compiled_equals_numpy(seed, m, k):
+    from entrain_data.assignment.replica_split import _packs
+
+    rng = np.random.default_rng(seed)
+    sizes = rng.random((9, 30, k)) * rng.uniform(0.05, 0.6) * (rng.random((9, 30, 1)) < 0.9)
+    sizes[0, :, :] = 0.0  # pads only
+    a, c = _both(lambda: _packs(sizes, m))
+    assert a.dtype == c.dtype == bool and np.array_equal(a, c)

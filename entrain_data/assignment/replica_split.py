@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import compiled
 from .common import Inputs
 
 __all__ = ["split_replicas", "norm_columns"]
@@ -80,13 +81,19 @@ def _refine_pairs(members: np.ndarray, loads: np.ndarray, wp: np.ndarray, iters:
     scale = np.where(mean > 0, mean, 1.0)
     c = min(n, _PAIR_CANDIDATES)
     base = np.linspace(0, n - 1, c).astype(np.int64)
+    if compiled.enabled():
+        from .split_kernel import refine_pairs  # numba is imported with it
+
+        refine_pairs(members, loads, wp, mean, scale, base, iters, _GOOD_ENOUGH)
+        return
     half = dp // 2
     for it in range(iters):
         rel = (loads - mean) / scale  # [dp, D]
         obj = np.abs(rel).max(axis=1)
         if obj.max() < _GOOD_ENOUGH:
             break
-        key = rel[:, it % d] if it % (d + 1) < d else rel.sum(axis=1)
+        # the modules' sum in a fixed order (cumsum), as the compiled twin sums
+        key = rel[:, it % d] if it % (d + 1) < d else np.cumsum(rel, axis=1)[:, -1]
         order = np.argsort(-key, kind="stable")
         a, b = order[:half], order[::-1][:half]  # most over with most under
         cols = (base + it * 5) % n if c < n else base  # other members every round
@@ -120,6 +127,11 @@ def _refine_replicas(members: np.ndarray, loads: np.ndarray, wp: np.ndarray, ite
     cols = np.arange(n)
     if n > _SWAP_CANDIDATES:
         cols = np.linspace(0, n - 1, _SWAP_CANDIDATES).astype(np.int64)
+    if compiled.enabled():
+        from .split_kernel import refine_replicas  # numba is imported with it
+
+        refine_replicas(members, loads, wp, mean, scale, cols, iters, _GOOD_ENOUGH)
+        return
     tried: set[tuple[int, int]] = set()
     for _ in range(iters):
         rel = (loads - mean) / scale  # [dp, D]
@@ -208,6 +220,10 @@ def fit_caps(members: np.ndarray, x: Inputs, w: np.ndarray) -> np.ndarray:
 def _packs(sizes: np.ndarray, m: int) -> np.ndarray:
     """[R] whether each replica's samples (``sizes`` [R, n, K], each resource over its cap, pads
     zero) fit ``m`` sets by first fit, largest first: vectorised over replicas."""
+    if compiled.enabled():
+        from .split_kernel import packs  # numba is imported with it
+
+        return packs(np.ascontiguousarray(sizes, dtype=np.float64), m)
     r, n, _ = sizes.shape
     order = np.argsort(-sizes.max(axis=2), axis=1, kind="stable")
     items = np.take_along_axis(sizes, order[:, :, None], axis=1)
