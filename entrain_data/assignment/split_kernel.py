@@ -33,6 +33,18 @@ def _relative(loads, mean, scale, rel, obj):
 
 
 @jit
+def _swap(members, loads, wp, a, ca, b, cb):
+    """Exchange member ``ca`` of replica ``a`` with member ``cb`` of ``b``, loads updated
+    as the numpy code does (the difference subtracted from one, added to the other)."""
+    ma, mb = members[a, ca], members[b, cb]
+    for k in range(loads.shape[1]):
+        dl = wp[ma, k] - wp[mb, k]
+        loads[a, k] -= dl
+        loads[b, k] += dl
+    members[a, ca], members[b, cb] = mb, ma
+
+
+@jit
 def refine_pairs(members, loads, wp, mean, scale, base, iters, good_enough):
     """:func:`.replica_split._refine_pairs`'s rounds: ``members`` and ``loads`` in place."""
     dp, n = members.shape
@@ -80,13 +92,7 @@ def refine_pairs(members, loads, wp, mean, scale, base, iters, good_enough):
                         best, best_v = x * c + y, v
             if not best_v < max(obj[a], obj[b]) - 1e-12:
                 continue
-            ca, cb = cols[best // c], cols[best % c]
-            ma, mb = members[a, ca], members[b, cb]
-            for k in range(d):
-                dl = wp[ma, k] - wp[mb, k]
-                loads[a, k] -= dl
-                loads[b, k] += dl
-            members[a, ca], members[b, cb] = mb, ma
+            _swap(members, loads, wp, a, cols[best // c], b, cols[best % c])
 
 
 @jit
@@ -136,13 +142,7 @@ def refine_replicas(members, loads, wp, mean, scale, cols, iters, good_enough):
             tried[a, b] = True
             continue
         tried[:, :] = False
-        ca, cb = cols[best_x], cols[best_y]
-        ma, mb = members[a, ca], members[b, cb]
-        for k in range(d):
-            delta = wp[ma, k] - wp[mb, k]
-            loads[a, k] -= delta
-            loads[b, k] += delta
-        members[a, ca], members[b, cb] = mb, ma
+        _swap(members, loads, wp, a, cols[best_x], b, cols[best_y])
 
 
 @jit
