@@ -55,7 +55,7 @@ def refine_pairs(members, loads, wp, mean, scale, base, iters, good_enough):
     obj = np.empty(dp)
     key = np.empty(dp)
     cols = np.empty(c, np.int64)
-    wn = np.empty_like(wp)  # on the relative scale once: the same quotients as per swap
+    wn = np.empty((wp.shape[0], d))  # on the relative scale once: the quotients numpy takes
     for i in range(wp.shape[0]):
         for k in range(d):
             wn[i, k] = wp[i, k] / scale[k]
