@@ -55,6 +55,8 @@ slowest ones, which set the iteration time, see :func:`.pipeline_search.refine_s
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from .common import Assignment, Candidate, Inputs, Replicas, rng_for, slot_sums
@@ -74,7 +76,13 @@ from .llm_sets import (
     llm_sets_lpt,
     repair_joint,
 )
-from .pipeline_search import proxy_times, random_cut_cv, refine_slowest, stage_costs
+from .pipeline_search import (
+    FWD_SHARE,
+    proxy_times,
+    random_cut_cv,
+    refine_slowest,
+    stage_costs,
+)
 from .replica_split import fit_caps, norm_columns, split_replicas
 from .shaping import shaped_candidates
 
@@ -230,7 +238,26 @@ def _candidates(rp: Replicas, tolerance: float) -> list[Candidate]:
     # the same with the encoder columns weighed _ENC_FIRST times (see there)
     wx = _vector_columns(rp, [rp.enc_cols] * _ENC_FIRST, _ENC_FIRST, tokf)
     cands.append(_joint(rp, order_by_llm(_vector_sets(rp, wx), valid, rp.llm, m), wx))
+    # the deferring sets once more, filled on the work an L set carries: the LLM and the
+    # trainable encoders' backward (see _travels_with_l)
+    carried = _travels_with_l(rp)
+    if carried is not None:
+        cands.append(llm_sets_fill(replace(rp, llm=carried), eidx_d, tolerance))
     return cands
+
+
+def _travels_with_l(rp: Replicas) -> np.ndarray | None:
+    """[R, n] the work that runs with a sample's L set on the proxy pipeline (its LLM
+    forward and backward, and every trainable encoder's backward), or None where no
+    encoder backward carries work. The LLM-only fill evens the LLM and leaves the encoder
+    backward to the count of samples each L set happens to take: an L set holding one long
+    transcript carries one clip's backward, the next one sixteen, and where the encoder
+    holds most stages (Whisper: 3 of 4 with a 1B LLM) those stages then swing."""
+    train = np.ones(rp.enc_cols.shape[2], bool) if rp.frozen is None else ~np.asarray(rp.frozen)
+    backward = (rp.enc_cols[..., train] * (1 - FWD_SHARE)).sum(axis=2)
+    if not (backward[rp.valid] > 0).any():
+        return None
+    return rp.llm + np.where(rp.valid, backward, 0.0)
 
 
 def _vector_columns(
