@@ -18,6 +18,9 @@ Level 2 composes, inside every replica, M microbatches in two layers:
   ``remaining / microbatches left``, largest first, under the token cap; the
   rest waits in the encoder-output buffer, whose token total may not exceed the
   deferral budget (the oldest waiting samples are consumed first when it would).
+  A second fill on the same encoder sets targets the work that runs with an L set,
+  the LLM plus every trainable encoder's backward: the LLM-only fill leaves that
+  backward to how many samples each set happens to take.
 
 Samples without encoder work are never buffered: their encoder set is their
 LLM set. A replica for which deferral cannot meet the cap or budget falls back
