@@ -79,15 +79,12 @@ from .llm_sets import (
     llm_sets_lpt,
     repair_joint,
 )
-from .pipeline_search import (
-    FWD_SHARE,
-    proxy_times,
-    random_cut_cv,
-    refine_slowest,
-    stage_costs,
-)
+from .pipeline_search import proxy_times, random_cut_cv, refine_slowest, stage_costs
 from .replica_split import fit_caps, norm_columns, split_replicas
 from .shaping import shaped_candidates
+
+# (ef, lf, lb) [R, n, S] of pipeline_search.stage_costs
+StageCosts = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 __all__ = ["assign_entrain", "assign_entrain_priced", "split_replicas", "lpt_bins", "replicas_of"]
 
@@ -199,15 +196,17 @@ def _assign(x: Inputs, seed: int, iteration: int, tolerance: float):
         cols = cols[:, np.append(cols[:, :-1].any(axis=0), True)]
     w = norm_columns(cols)
     rp = replicas_of(x, fit_caps(split_replicas(w, x.dp, rng), x, w))
-    cands = _candidates(rp, tolerance)
-    eidx, lidx = _pick(cands, rp)
+    stage = stage_costs(rp)  # the proxy's per-sample stage costs, read by both
+    cands = _candidates(rp, tolerance, stage)
+    eidx, lidx = _pick(cands, rp, stage)
     eidx, lidx = refine_slowest(rp, eidx, lidx, rng_for(seed, iteration, 2))
     a = _to_assignment("entrain", rp.members, rp.valid, eidx, lidx, x.dp, rp.m)
     return a, rp, eidx, lidx
 
 
-def _candidates(rp: Replicas, tolerance: float) -> list[Candidate]:
-    """Every level-2 candidate; :func:`_pick` chooses one per replica."""
+def _candidates(rp: Replicas, tolerance: float, stage: StageCosts) -> list[Candidate]:
+    """Every level-2 candidate; :func:`_pick` chooses one per replica. ``stage``: the
+    (ef, lf, lb) of :func:`.pipeline_search.stage_costs`."""
     m, has_enc, valid = rp.m, rp.has_enc, rp.valid
     # candidate A: encoder sets by LPT over encoder work alone, LLM sets by deferral
     ebin = lpt_bins(rp.enc_w, has_enc, m)
@@ -243,24 +242,26 @@ def _candidates(rp: Replicas, tolerance: float) -> list[Candidate]:
     cands.append(_joint(rp, order_by_llm(_vector_sets(rp, wx), valid, rp.llm, m), wx))
     # the deferring sets once more, filled on the work an L set carries: the LLM and the
     # trainable encoders' backward (see _travels_with_l)
-    carried = _travels_with_l(rp)
+    carried = _travels_with_l(rp, stage)
     if carried is not None:
         cands.append(llm_sets_fill(replace(rp, llm=carried), eidx_d, tolerance))
     return cands
 
 
-def _travels_with_l(rp: Replicas) -> np.ndarray | None:
+def _travels_with_l(rp: Replicas, stage: StageCosts) -> np.ndarray | None:
     """[R, n] the work that runs with a sample's L set on the proxy pipeline (its LLM
-    forward and backward, and every trainable encoder's backward), or None where no
-    encoder backward carries work. The LLM-only fill evens the LLM and leaves the encoder
-    backward to the count of samples each L set happens to take: an L set holding one long
-    transcript carries one clip's backward, the next one sixteen, and where the encoder
-    holds most stages (Whisper: 3 of 4 with a 1B LLM) those stages then swing."""
-    train = np.ones(rp.enc_cols.shape[2], bool) if rp.frozen is None else ~np.asarray(rp.frozen)
-    backward = (rp.enc_cols[..., train] * (1 - FWD_SHARE)).sum(axis=2)
-    if not (backward[rp.valid] > 0).any():
+    forward and backward, and every trainable encoder's backward: ``stage``'s lf + lb over
+    the stages), or None where no trainable encoder carries work.
+
+    The LLM-only fill evens the LLM and leaves the encoder backward to the count of samples
+    each L set happens to take: an L set holding one long transcript carries one clip's
+    backward, the next one sixteen, and where the encoder holds most stages (Whisper: 3 of
+    4 with a 1B LLM) those stages then swing."""
+    trainable = rp.enc_cols if rp.frozen is None else rp.enc_cols[..., ~np.asarray(rp.frozen)]
+    if not (trainable[rp.valid] > 0).any():
         return None
-    return rp.llm + np.where(rp.valid, backward, 0.0)
+    _, lf, lb = stage
+    return (lf + lb).sum(axis=2)
 
 
 def _vector_columns(
@@ -292,7 +293,7 @@ def _joint(rp: Replicas, bins: np.ndarray, w: tuple[np.ndarray, np.ndarray]) -> 
     return Candidate(bins, bins, ~fits_cap(rp, bins))
 
 
-def _pick(cands: list[Candidate], rp: Replicas) -> tuple[np.ndarray, np.ndarray]:
+def _pick(cands: list[Candidate], rp: Replicas, stage: StageCosts) -> tuple[np.ndarray, np.ndarray]:
     """Per replica one candidate ([R, n] E and L microbatch); replicas where none is usable
     (all break a cap or the budget, or leave an LLM set empty) get joint FFD sets.
 
@@ -317,7 +318,6 @@ def _pick(cands: list[Candidate], rp: Replicas) -> tuple[np.ndarray, np.ndarray]
         scored.append((e_eff, c.lidx, np.where(failed, np.inf, sc), ecv))
         shaped.append(c.profile is not None)
     best_sc = np.min([sc for *_, sc, _ in scored], axis=0)
-    stage = stage_costs(rp)
 
     def in_band(sc, ecv, score_level: float, enc_level: float) -> np.ndarray:
         """[R] within the relative bands of the best candidate, or under the absolute levels."""

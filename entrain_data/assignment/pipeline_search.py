@@ -42,7 +42,6 @@ from ..simulator import simulate_pipeline, topological_order
 from .common import DEFAULT_PIPELINE_STAGES, Replicas, slot_sums
 
 __all__ = [
-    "FWD_SHARE",
     "cv_limits",
     "random_cut_cv",
     "proxy_stage_shares",
@@ -52,7 +51,7 @@ __all__ = [
     "stage_costs",
 ]
 
-FWD_SHARE = 1.0 / 3.0  # forward share of a trainable module's forward + backward cost
+_FWD_SHARE = 1.0 / 3.0  # forward share of a trainable module's forward + backward cost
 _CANDIDATES = 32  # moves tried per replica and round
 _ROUNDS = 64
 _FOCUS = 32  # replicas searched per pass when there are more (the slowest ones)
@@ -152,16 +151,16 @@ def _per_stage(enc_cols, llm, valid, frozen=None, stages=DEFAULT_PIPELINE_STAGES
     sh = proxy_stage_shares(totals, stages)  # [S, K]
     l_stage = llm[..., None] * sh[None, None, :, -1]
     zero = ~valid[..., None]
-    lf = np.where(zero, 0.0, FWD_SHARE * l_stage)
+    lf = np.where(zero, 0.0, _FWD_SHARE * l_stage)
     if frozen is None or not np.any(frozen):
         e_stage = enc_cols @ sh[:, :-1].T  # [R, n, S]
-        ef = np.where(zero, 0.0, FWD_SHARE * e_stage)
-        lb = np.where(zero, 0.0, (1 - FWD_SHARE) * (e_stage + l_stage))
+        ef = np.where(zero, 0.0, _FWD_SHARE * e_stage)
+        lb = np.where(zero, 0.0, (1 - _FWD_SHARE) * (e_stage + l_stage))
         return ef, lf, lb
-    fwd = np.where(frozen, 1.0, FWD_SHARE)  # [E] forward share of each encoder's cost
+    fwd = np.where(frozen, 1.0, _FWD_SHARE)  # [E] forward share of each encoder's cost
     ef = np.where(zero, 0.0, (enc_cols * fwd) @ sh[:, :-1].T)
     e_bwd = (enc_cols * (1 - fwd)) @ sh[:, :-1].T
-    lb = np.where(zero, 0.0, e_bwd + (1 - FWD_SHARE) * l_stage)
+    lb = np.where(zero, 0.0, e_bwd + (1 - _FWD_SHARE) * l_stage)
     return ef, lf, lb
 
 

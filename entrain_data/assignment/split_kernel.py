@@ -127,12 +127,10 @@ def refine_replicas(members, loads, wp, mean, scale, cols, iters, good_enough):
             ia = members[a, cols[x]]
             for y in range(c):
                 ib = members[b, cols[y]]
-                v = -np.inf
-                for k in range(d):
+                v = 0.0
+                for k in range(d):  # both replicas' largest deviation after the swap
                     delta = wp[ia, k] - wp[ib, k]
                     v = max(v, abs((loads[a, k] - delta - mean[k]) / scale[k]))
-                for k in range(d):
-                    delta = wp[ia, k] - wp[ib, k]
                     v = max(v, abs((loads[b, k] + delta - mean[k]) / scale[k]))
                 if (ia >= 0) != (ib >= 0):
                     v = np.inf
