@@ -44,6 +44,7 @@ def report(a, spec, table, methods, per, params, device) -> dict:
             "microbatches": a.microbatches,
             "iterations": a.iterations,
             "warmup": a.warmup,
+            "repeats": a.repeats,
             "max_tokens": a.max_tokens,
             "defer_budget": a.defer_budget,
             "text_scale": a.text_scale,

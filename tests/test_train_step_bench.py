@@ -221,3 +221,26 @@ def test_recompute_and_chunked_loss_do_not_change_gradients():
         grads.append((loss.detach(), media.grad, llm.layers[0].qkv.weight.grad))
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_repeated_timings_keep_the_median_per_measure():
+    """One spike among a microbatch's repeats (a GC pause, a first-seen shape) is dropped."""
+    runs = [
+        {"encoder_fwd": f, "llm_fwd": lf, "per_encoder": {"vit": {"fwd": f}}}
+        for f, lf in ((0.030, 0.020), (0.250, 0.021), (0.031, 0.165))
+    ]
+    got = train_step._median_of(runs)
+    assert got["encoder_fwd"] == pytest.approx(0.031)
+    assert got["llm_fwd"] == pytest.approx(0.021)
+    assert got["per_encoder"]["vit"]["fwd"] == pytest.approx(0.031)
+
+
+@pytest.mark.timeout(180)
+def test_tiny_cpu_run_with_repeats(tmp_path):
+    out = tmp_path / "ts.json"
+    train_step.main(["--device", "cpu", "--tiny", "--repeats", "2", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert data["config"]["repeats"] == 2
+    assert len(data["methods"]["entrain"]["microbatches"]) == 4
+    with pytest.raises(SystemExit):
+        train_step.main(["--device", "cpu", "--tiny", "--repeats", "0", "--out", str(out)])
