@@ -39,6 +39,7 @@ def report(a, spec, table, methods, per, params, device) -> dict:
             "torch": torch.__version__,
             "tiny": a.tiny,
             "workload": a.workload,
+            "vision_preset": a.vision_preset,
             "global_batch": a.global_batch,
             "dp": a.dp,
             "microbatches": a.microbatches,

@@ -66,6 +66,7 @@ __all__ = ["main", "bench_spec"]
 
 log = logging.getLogger("bench.train_step")
 RESULTS = Path(__file__).resolve().parent / "results"
+VISION_PRESETS = ("qwen2.5-vl-vision", "qwen2.5-vl-vision-1280")  # the towers VisionTower builds
 
 
 def bench_spec(
@@ -74,14 +75,19 @@ def bench_spec(
     llm_layers: int | None = None,
     audio: bool = False,
     audio_layers: int | None = None,
+    vision_preset: str = "qwen2.5-vl-vision",
 ) -> ModelSpec:
     """The ModelSpec of the timed model (the cost model prices exactly these shapes).
 
     GPU: the Qwen2.5-VL ViT cut to 16 layers (~330M), Llama-3.2-1B, and with
     ``audio`` the Whisper-large-v3 encoder cut to 16 layers. Tiny: the same
     families with toy widths, images capped at 256 patches, 3 s audio windows.
+    ``vision_preset`` ``qwen2.5-vl-vision-1280`` caps images at 1280 LLM tokens (the
+    paper-like regime: no single image outweighs a mean microbatch at 4 samples each).
     """
-    vit = load_module("qwen2.5-vl-vision")
+    if vision_preset not in VISION_PRESETS:
+        raise ValueError(f"vision_preset must be one of {VISION_PRESETS}, got {vision_preset!r}")
+    vit = load_module(vision_preset)
     llm = load_module("llama-3.2-1b")
     aud = load_module("whisper-large-v3-encoder")
     if tiny:
@@ -221,6 +227,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--defer-budget", type=int, default=None)
     p.add_argument("--llm-stages", default="1,2,3", help="LLM pipeline stages to simulate")
     p.add_argument("--vision-layers", type=int, default=None)
+    p.add_argument(
+        "--vision-preset",
+        choices=VISION_PRESETS,
+        default=VISION_PRESETS[0],
+        help="the vision tower's preset (-1280: images capped at 1280 LLM tokens)",
+    )
     p.add_argument("--llm-layers", type=int, default=None)
     p.add_argument("--audio-layers", type=int, default=None, help="audio workloads")
     p.add_argument("--text-scale", type=int, default=None, help="divide text lengths by this")
@@ -316,7 +328,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     raw = synthesize(a.workload, a.global_batch * a.iterations, a.seed)
     has_audio = len(raw.audio_seconds) > 0
-    spec = bench_spec(a.tiny, a.vision_layers, a.llm_layers, has_audio, a.audio_layers)
+    spec = bench_spec(
+        a.tiny, a.vision_layers, a.llm_layers, has_audio, a.audio_layers, a.vision_preset
+    )
     vit_cfg = spec.encoders[0]
     table = _scaled_text(raw, a.text_scale)
     costs = per_sample_costs(table, spec)

@@ -244,3 +244,17 @@ def test_tiny_cpu_run_with_repeats(tmp_path):
     assert len(data["methods"]["entrain"]["microbatches"]) == 4
     with pytest.raises(SystemExit):
         train_step.main(["--device", "cpu", "--tiny", "--repeats", "0", "--out", str(out)])
+
+
+def test_capped_vision_preset_prices_what_the_model_runs():
+    """The 1280-token preset: the model's patch grids are the cost model's, images capped."""
+    spec = train_step.bench_spec(tiny=False, vision_preset="qwen2.5-vl-vision-1280")
+    cfg = spec.encoders[0]
+    assert cfg.name == "qwen2.5-vl-vision-1280-16l" and cfg.layers == 16
+    table = synthesize("qwen2vl-dynamic", 128, seed=1)
+    costs = per_sample_costs(table, spec)
+    grids = model.item_grids(table, cfg)
+    train_step._check_tokens(table, grids, cfg, costs)
+    assert grids.prod(axis=1).max() <= 1280 * cfg.merge**2
+    with pytest.raises(ValueError, match="vision_preset"):
+        train_step.bench_spec(tiny=False, vision_preset="siglip-so400m")
