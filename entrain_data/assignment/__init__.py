@@ -104,10 +104,12 @@ def assign(
     and none of it in the LLM set (a trainable encoder's backward runs with the sample's
     LLM microbatch); the other methods ignore it.
     ``pipeline_stages`` is the plan's pipeline depth (pp): entrain prices its candidates
-    and searches on a proxy 1F1B pipeline of that many stages (None: 4). Where the fill
-    and drain fall differs with the depth: at 512 / dp 4 / 32 with 8 stages, the 4-stage
-    proxy lost up to 2.1% to the best peer on rows that the right depth wins. The loader
-    service passes its plan's pp; the other methods ignore it.
+    and searches on a proxy 1F1B pipeline of that many stages. Where the fill and drain
+    fall differs with the depth: at 512 / dp 4 / 32 with 8 stages, the 4-stage proxy lost
+    up to 2.1% to the best peer on rows that the right depth wins. None (the depth is not
+    known): the pick prices each candidate on 2, 4 and 8 stages (the mean of its times
+    relative to each depth's even pipeline) and the search runs on 4. The loader service
+    passes its plan's pp; callers that know theirs should too. The other methods ignore it.
     Raises :class:`~entrain_data.errors.InvalidInput` (a ``ValueError``) naming the
     problem on bad input.
     """

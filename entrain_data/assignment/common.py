@@ -89,6 +89,7 @@ class Inputs:
     ages: np.ndarray | None = None  # [B] iterations each sample has already been carried
     frozen: np.ndarray | None = None  # [E] bool: the encoder runs forward only; None: all train
     stages: int = DEFAULT_PIPELINE_STAGES  # the plan's pp: the depth of entrain's proxy pipeline
+    depth_known: bool = True  # False: the caller gave no pp (entrain's pick prices several)
 
     @property
     def n(self) -> int:
@@ -117,6 +118,7 @@ class Replicas:
     patch_cap: np.ndarray | None  # [E] patches per E set
     frozen: np.ndarray | None = None  # [E] bool: forward only (no encoder backward in L sets)
     stages: int = DEFAULT_PIPELINE_STAGES  # depth of the proxy pipeline (the plan's pp)
+    depth_known: bool = True  # False: no pp was given; the pick prices UNKNOWN_DEPTHS
 
     @cached_property
     def module_costs(self) -> np.ndarray:
@@ -255,6 +257,7 @@ def validate_inputs(
     age = np.zeros(b, np.int64) if ages is None else np.asarray(ages)
     if age.shape != (b,) or not np.issubdtype(age.dtype, np.integer) or (age < 0).any():
         raise InvalidInput(f"ages must be [{b}] integers >= 0 (iterations carried), got {age!r}")
+    depth_known = pipeline_stages is not None
     if pipeline_stages is None:
         pipeline_stages = DEFAULT_PIPELINE_STAGES
     if (
@@ -280,6 +283,7 @@ def validate_inputs(
         age.astype(np.int64),
         _check_frozen(enc.shape[1], frozen_encoders),
         int(pipeline_stages),
+        depth_known,
     )
 
 

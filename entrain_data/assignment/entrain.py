@@ -79,7 +79,13 @@ from .llm_sets import (
     llm_sets_lpt,
     repair_joint,
 )
-from .pipeline_search import proxy_times, random_cut_cv, refine_slowest, stage_costs
+from .pipeline_search import (
+    depth_blind_pricer,
+    proxy_times,
+    random_cut_cv,
+    refine_slowest,
+    stage_costs,
+)
 from .replica_split import fit_caps, norm_columns, split_replicas
 from .shaping import shaped_candidates
 
@@ -168,6 +174,7 @@ def replicas_of(x: Inputs, members: np.ndarray) -> Replicas:
         patch_cap=x.patch_cap,
         frozen=x.frozen,
         stages=x.stages,
+        depth_known=x.depth_known,
     )
 
 
@@ -324,11 +331,10 @@ def _pick(cands: list[Candidate], rp: Replicas, stage: StageCosts) -> tuple[np.n
         ok = sc <= np.maximum(best_sc * (1 + _TIME_PICK_SLACK), score_level) + 1e-12
         return ok & (ecv <= np.maximum(enc_ref * (1 + _ENC_SLACK) + 1e-3, enc_level))
 
+    price = _price(rp, stage)
     keys = [
         np.where(
-            np.isfinite(sc) & in_band(sc, ecv, _GOOD_SCORE, _GOOD_ENC_CV),
-            proxy_times(rp, e_eff, cl, stage),
-            np.inf,
+            np.isfinite(sc) & in_band(sc, ecv, _GOOD_SCORE, _GOOD_ENC_CV), price(e_eff, cl), np.inf
         )
         for e_eff, cl, sc, ecv in scored
     ]
@@ -355,7 +361,7 @@ def _pick(cands: list[Candidate], rp: Replicas, stage: StageCosts) -> tuple[np.n
         take = sh_key < best_key * (1 - _SHAPE_GAIN)
         best_key = np.where(take, sh_key, best_key)
         pick = np.where(take, sh, pick)
-    pick, best_key = _stragglers(rp, scored, keys, pick, best_key, stage)
+    pick, best_key = _stragglers(rp, scored, keys, pick, best_key, price)
     eidx = np.zeros_like(cands[0].eidx)
     lidx = np.zeros_like(eidx)
     for i, (e_eff, cl, _, _) in enumerate(scored):
@@ -379,9 +385,19 @@ def _pick(cands: list[Candidate], rp: Replicas, stage: StageCosts) -> tuple[np.n
     return _edges_light(eidx, lidx, valid, rp.enc_w, rp.llm, m, keep)
 
 
-def _stragglers(rp: Replicas, scored, keys, pick, best_key, stage):
-    """[R] pick and proxy time, revised where the slowest replicas can be faster (``stage``:
-    the pick's proxy stage costs, :func:`.pipeline_search.stage_costs`).
+def _price(rp: Replicas, stage: StageCosts):
+    """The pick's price of sets (eidx, lidx) -> [R]: the proxy 1F1B time on the plan's depth
+    (``stage``: its stage costs), or where the caller gave none the mean over
+    :data:`.pipeline_search.UNKNOWN_DEPTHS` relative to each depth's even pipeline. Only
+    the pick hedges: the search still runs on the default depth."""
+    if rp.depth_known:
+        return lambda eidx, lidx: proxy_times(rp, eidx, lidx, stage)
+    return depth_blind_pricer(rp)
+
+
+def _stragglers(rp: Replicas, scored, keys, pick, best_key, price):
+    """[R] pick and price, revised where the slowest replicas can be faster (``price``: the
+    pick's, :func:`_price`).
 
     The iteration lasts as long as its slowest replica, so balance first is right for
     every replica but those that set the time. The floor is the slowest replica's best
@@ -401,7 +417,7 @@ def _stragglers(rp: Replicas, scored, keys, pick, best_key, stage):
             continue
         t = keys[i]
         if not np.isfinite(t[ok]).all():  # outside the balance band: not priced yet
-            t = np.where(np.isfinite(t), t, proxy_times(rp, e_eff, cl, stage))
+            t = np.where(np.isfinite(t), t, price(e_eff, cl))
         times[i] = np.where(ok, t, np.inf)
     reach = np.minimum(times.min(axis=0), best_key)
     if not np.isfinite(reach).any():
