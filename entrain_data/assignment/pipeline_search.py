@@ -145,6 +145,13 @@ def random_cut_cv(cost: np.ndarray, valid: np.ndarray, m: int) -> np.ndarray:
     return np.where(mean > 0, rel * np.sqrt((1 - 1 / m) * m / np.maximum(n, m)), 0.0)
 
 
+def _forward_shares(frozen: np.ndarray | None, e_count: int) -> np.ndarray:
+    """[E] forward share of each encoder's cost: a frozen one runs forward only."""
+    if frozen is None:
+        return np.full(e_count, _FWD_SHARE)
+    return np.where(frozen, 1.0, _FWD_SHARE)
+
+
 def _per_stage(enc_cols, llm, valid, frozen=None, stages=DEFAULT_PIPELINE_STAGES):
     """Per-sample proxy stage costs [R, n, S] on ``stages`` stages: encoder forward (with
     E), forward and backward that run with L (LLM forward; encoder and LLM backward). A
@@ -161,7 +168,7 @@ def _per_stage(enc_cols, llm, valid, frozen=None, stages=DEFAULT_PIPELINE_STAGES
         ef = np.where(zero, 0.0, _FWD_SHARE * e_stage)
         lb = np.where(zero, 0.0, (1 - _FWD_SHARE) * (e_stage + l_stage))
         return ef, lf, lb
-    fwd = np.where(frozen, 1.0, _FWD_SHARE)  # [E] forward share of each encoder's cost
+    fwd = _forward_shares(frozen, enc_cols.shape[-1])
     ef = np.where(zero, 0.0, (enc_cols * fwd) @ sh[:, :-1].T)
     e_bwd = (enc_cols * (1 - fwd)) @ sh[:, :-1].T
     lb = np.where(zero, 0.0, e_bwd + (1 - _FWD_SHARE) * l_stage)
@@ -223,9 +230,7 @@ def depth_blind_pricer(rp: Replicas, depths: tuple[int, ...] = UNKNOWN_DEPTHS):
     rows at 512 / dp 4 / 32 (0.979 at worst). One slot sum per module serves every depth:
     a stage's load is the modules' per-microbatch loads times their shares on it."""
     valid, m = rp.valid, rp.m
-    fwd_share = np.full(rp.enc_cols.shape[2], _FWD_SHARE)
-    if rp.frozen is not None:
-        fwd_share = np.where(rp.frozen, 1.0, _FWD_SHARE)
+    fwd_share = _forward_shares(rp.frozen, rp.enc_cols.shape[2])
     enc = np.where(valid[..., None], rp.enc_cols, 0.0)
     llm = np.where(valid, rp.llm, 0.0)[..., None]
     with_e = enc * fwd_share  # [R, n, E] runs with the E set (the encoders' forward)
