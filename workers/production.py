@@ -61,12 +61,16 @@ class RankState:
     sent: set[int] = field(default_factory=set)  # direct: delivered, not yet yielded
     flying: set[int] = field(default_factory=set)  # direct: in a task that names it
     sent_remote: set[int] = field(default_factory=set)  # direct: of ``sent``, by remote workers
+    unheld: set[int] = field(default_factory=set)  # direct: of ``sent``, missing at one report
 
     def credit(self, h: dict[str, Any], position: Callable[..., int], end_pos: int) -> None:
         """A ``credit``: a hop rank may be sent ``n`` more; a direct rank says where it is
         (``next``) and, while it waits, what it holds (``have``): anything believed
-        delivered but not held was lost on the way (a worker killed before its socket
-        flushed) and is sent again. Raises ProtocolError for a malformed field."""
+        delivered but missing from two reports in a row was lost on the way (a worker
+        killed before its socket flushed) and is sent again. One report is not enough: a
+        worker reports its send once the bytes are queued, so a rank's report can cross a
+        microbatch still in the pipe, which was then sent twice (and counted twice).
+        Raises ProtocolError for a malformed field."""
         n = h.get("n")
         if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= 1 << 20:
             raise ProtocolError(f"bad credit count {n!r}")
@@ -90,7 +94,10 @@ class RankState:
                 self.next_pos = max(self.next_pos, min(pos, end_pos))
             if isinstance(h.get("have"), list):
                 held = {position(*(int(x) for x in k)) for k in h["have"]}
-                if self.remote is not None and (self.sent - held) & self.sent_remote:
+                missing = self.sent - held
+                lost = missing & self.unheld  # missing from the last report too
+                self.unheld = missing - lost
+                if self.remote is not None and lost & self.sent_remote:
                     log.warning(
                         "rank %d: a microbatch sent to %s by a remote worker never arrived; "
                         "remote workers' microbatches for it now go through the coordinator",
@@ -98,8 +105,8 @@ class RankState:
                         self.remote[0],
                     )
                     self.remote = None  # unreachable from there (a firewall?): hop instead
-                self.sent &= held
-                self.sent_remote &= held
+                self.sent -= lost
+                self.sent_remote -= lost
         except (TypeError, ValueError) as exc:
             raise ProtocolError(f"bad position in a credit: {exc}") from None
 
@@ -190,6 +197,7 @@ class Production:
             else:
                 r.sent = {p for p in r.sent if p >= r.next_pos}
                 r.sent_remote &= r.sent
+                r.unheld &= r.sent
                 direct.update((r.replica, p) for p in self._direct_window(r) if self._needs(r, p))
         for key in [k for k in self.ready if k not in hop and k not in direct]:
             del self.ready[key]
