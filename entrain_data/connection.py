@@ -274,7 +274,8 @@ class Connection:
         On the direct route a microbatch can be lost with a worker killed after it
         reported the send (its socket's queue dies with it): every ``_NUDGE_S`` of
         waiting, the rank tells the service what it holds, and the service sends
-        again whatever it believed delivered but the rank does not have.
+        again whatever it believed delivered but two reports in a row lacked (one can
+        cross a microbatch still in the pipe).
         """
         self.low = pos
         deadline = time.monotonic() + timeout
