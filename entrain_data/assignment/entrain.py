@@ -203,10 +203,10 @@ def _assign(x: Inputs, seed: int, iteration: int, tolerance: float):
         cols = cols[:, np.append(cols[:, :-1].any(axis=0), True)]
     w = norm_columns(cols)
     rp = replicas_of(x, fit_caps(split_replicas(w, x.dp, rng), x, w))
-    stage = stage_costs(rp)  # the proxy's per-sample stage costs, read by both
+    stage = stage_costs(rp)  # the proxy's per-sample stage costs, read by every step
     cands = _candidates(rp, tolerance, stage)
     eidx, lidx = _pick(cands, rp, stage)
-    eidx, lidx = refine_slowest(rp, eidx, lidx, rng_for(seed, iteration, 2))
+    eidx, lidx = refine_slowest(rp, eidx, lidx, rng_for(seed, iteration, 2), stage)
     a = _to_assignment("entrain", rp.members, rp.valid, eidx, lidx, x.dp, rp.m)
     return a, rp, eidx, lidx
 

@@ -145,6 +145,14 @@ def random_cut_cv(cost: np.ndarray, valid: np.ndarray, m: int) -> np.ndarray:
     return np.where(mean > 0, rel * np.sqrt((1 - 1 / m) * m / np.maximum(n, m)), 0.0)
 
 
+def _module_totals(enc_cols: np.ndarray, llm: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """[K] every module's work over all replicas (the encoder columns, the LLM last): what
+    :func:`proxy_stage_shares` lays out on the stages."""
+    return np.concatenate(
+        [np.where(valid[..., None], enc_cols, 0.0).sum(axis=(0, 1)), [llm[valid].sum()]]
+    )
+
+
 def _forward_shares(frozen: np.ndarray | None, e_count: int) -> np.ndarray:
     """[E] forward share of each encoder's cost: a frozen one runs forward only."""
     if frozen is None:
@@ -156,10 +164,7 @@ def _per_stage(enc_cols, llm, valid, frozen=None, stages=DEFAULT_PIPELINE_STAGES
     """Per-sample proxy stage costs [R, n, S] on ``stages`` stages: encoder forward (with
     E), forward and backward that run with L (LLM forward; encoder and LLM backward). A
     frozen encoder (``frozen`` [E] bool) is all forward: its whole cost runs with E."""
-    totals = np.concatenate(
-        [np.where(valid[..., None], enc_cols, 0.0).sum(axis=(0, 1)), [llm[valid].sum()]]
-    )
-    sh = proxy_stage_shares(totals, stages)  # [S, K]
+    sh = proxy_stage_shares(_module_totals(enc_cols, llm, valid), stages)  # [S, K]
     l_stage = llm[..., None] * sh[None, None, :, -1]
     zero = ~valid[..., None]
     lf = np.where(zero, 0.0, _FWD_SHARE * l_stage)
@@ -235,7 +240,7 @@ def depth_blind_pricer(rp: Replicas, depths: tuple[int, ...] = UNKNOWN_DEPTHS):
     llm = np.where(valid, rp.llm, 0.0)[..., None]
     with_e = enc * fwd_share  # [R, n, E] runs with the E set (the encoders' forward)
     with_l = np.concatenate([enc * (1 - fwd_share), llm], axis=2)  # their backward, the LLM
-    totals = np.concatenate([enc.sum(axis=(0, 1)), [llm.sum()]])
+    totals = _module_totals(rp.enc_cols, rp.llm, valid)
     work = totals.sum() / len(valid)  # a replica's mean work, every module
     plans = [
         (
@@ -287,7 +292,11 @@ def _apply(eidx, lidx, g, bk, a, b, moved_b, na_e, na_l, nb_e, nb_l) -> None:
 
 
 def refine_slowest(
-    rp: Replicas, eidx: np.ndarray, lidx: np.ndarray, rng: np.random.Generator
+    rp: Replicas,
+    eidx: np.ndarray,
+    lidx: np.ndarray,
+    rng: np.random.Generator,
+    stage: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The search where it pays: the iteration lasts as long as its slowest replica, so
     with many replicas every pass searches only the ``_FOCUS`` slowest (by proxy time,
@@ -297,11 +306,12 @@ def refine_slowest(
     A last pass gives the ``_LAST_FOCUS`` slowest replicas ``_LAST_ROUNDS`` rounds with the
     whole candidate budget between them (32 moves each a round, against 4 among 32 replicas):
     where one replica holds the iteration's outliers, its search otherwise ends
-    under-explored (text-heavy/vl-1b-1280 at 8192 / dp 128: 1.1% of iteration time)."""
+    under-explored (text-heavy/vl-1b-1280 at 8192 / dp 128: 1.1% of iteration time).
+    ``stage``: :func:`stage_costs` of ``rp`` where the caller has them."""
     r_count = rp.llm.shape[0]
     if r_count <= _LAST_FOCUS:
         return refine_by_pipeline(rp, eidx, lidx, rng)
-    stage = stage_costs(rp)
+    stage = stage_costs(rp) if stage is None else stage
     if r_count <= _FOCUS:
         eidx, lidx = refine_by_pipeline(rp, eidx, lidx, rng)
     else:
