@@ -139,6 +139,26 @@ def test_vector_refinement_compiled_equals_numpy(seed, rows, n, m, d, ones, shap
     assert np.array_equal(a, b)
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    rows=st.integers(1, 6),
+    n=st.integers(0, 80),
+    m=st.integers(1, 12),
+    ties=st.booleans(),
+)
+def test_lpt_bins_compiled_equals_numpy(seed, rows, n, m, ties):
+    # largest-first placement item by item: equal costs (a count) and equal bin loads
+    # break ties the same way, invalid members stay -1
+    from entrain_data.assignment.encoder_sets import lpt_bins
+
+    rng = np.random.default_rng(seed)
+    cost = rng.integers(1, 4, (rows, n)).astype(float) if ties else rng.lognormal(0, 1, (rows, n))
+    valid = rng.random((rows, n)) < 0.85
+    a, b = _both(lambda: lpt_bins(cost, valid, m))
+    assert np.array_equal(a, b)
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), m=st.integers(3, 12), budget=st.sampled_from([None, 1.0]))
 def test_shaped_llm_fill_compiled_equals_numpy(seed, m, budget):

@@ -36,6 +36,10 @@ def lpt_bins(cost: np.ndarray, valid: np.ndarray, m: int) -> np.ndarray:
     r, n = cost.shape
     key = np.where(valid, cost, -np.inf)
     order = np.argsort(-key, axis=1, kind="stable")
+    if n <= _ITEMWISE_LPT and compiled.enabled():
+        from . import sets_kernel  # numba is imported with it
+
+        return sets_kernel.lpt_items(np.ascontiguousarray(cost, dtype=np.float64), order, valid, m)
     bins = np.full((r, n), -1, dtype=np.int64)
     loads = np.zeros((r, m))
     rows = np.arange(r)[:, None]

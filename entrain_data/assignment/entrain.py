@@ -128,14 +128,14 @@ _VECTOR_ROUNDS = 4  # refine_vector steps per microbatch on the vector candidate
 _SHAPE_GAIN = 0.003
 
 
-def _score(rp: Replicas, eidx: np.ndarray, lidx: np.ndarray, profile=None):
+def _score(loads: np.ndarray, profile=None):
     """[R] how unbalanced a candidate is: the sum over modules (each encoder from E, the
-    LLM from L) of the squared CV of per-microbatch load, plus the worst peak/mean as a
-    small tie-break. Squared CVs favour candidates with no badly balanced module. A shaped
-    candidate's loads are measured against its ``profile`` [R, m, K] (the shape it aims at).
-    Also returns the worst encoder column's CV (encoder balance comes first)."""
-    r_count = rp.llm.shape[0]
-    loads = _module_loads(rp, eidx, lidx)  # [R, m, K]
+    LLM from L) of the squared CV of per-microbatch load (``loads`` [R, m, K],
+    :func:`_module_loads`), plus the worst peak/mean as a small tie-break. Squared CVs
+    favour candidates with no badly balanced module. A shaped candidate's loads are
+    measured against its ``profile`` [R, m, K] (the shape it aims at). Also returns the
+    worst encoder column's CV (encoder balance comes first)."""
+    r_count = loads.shape[0]
     if profile is not None:  # balance against the intended shape
         loads = loads / profile
     mean = loads.mean(axis=1)
@@ -315,10 +315,12 @@ def _pick(cands: list[Candidate], rp: Replicas, stage: StageCosts) -> tuple[np.n
     enc_ref = None
     scored = []
     shaped = []
+    loads = []  # [R, m, K] per candidate: its score and the straggler rule's CVs read them
     for c in cands:
         e_eff = np.where(has_enc, c.eidx, c.lidx)
         failed = c.failed | ~fits_patches(rp, e_eff)
-        sc, ecv = _score(rp, e_eff, c.lidx, c.profile)
+        loads.append(_module_loads(rp, e_eff, c.lidx))
+        sc, ecv = _score(loads[-1], c.profile)
         if enc_ref is None:  # the first candidate's encoder sets are LPT-tight: the reference
             enc_ref = np.where(failed, np.inf, ecv)
         failed |= _empty_llm_set(c.lidx, valid, m)
@@ -361,7 +363,7 @@ def _pick(cands: list[Candidate], rp: Replicas, stage: StageCosts) -> tuple[np.n
         take = sh_key < best_key * (1 - _SHAPE_GAIN)
         best_key = np.where(take, sh_key, best_key)
         pick = np.where(take, sh, pick)
-    pick, best_key = _stragglers(rp, scored, keys, pick, best_key, price)
+    pick, best_key = _stragglers(rp, scored, loads, keys, pick, best_key, price)
     eidx = np.zeros_like(cands[0].eidx)
     lidx = np.zeros_like(eidx)
     for i, (e_eff, cl, _, _) in enumerate(scored):
@@ -395,9 +397,9 @@ def _price(rp: Replicas, stage: StageCosts):
     return depth_blind_pricer(rp)
 
 
-def _stragglers(rp: Replicas, scored, keys, pick, best_key, price):
+def _stragglers(rp: Replicas, scored, loads, keys, pick, best_key, price):
     """[R] pick and price, revised where the slowest replicas can be faster (``price``: the
-    pick's, :func:`_price`).
+    pick's, :func:`_price`; ``loads``: each candidate's :func:`_module_loads`).
 
     The iteration lasts as long as its slowest replica, so balance first is right for
     every replica but those that set the time. The floor is the slowest replica's best
@@ -412,7 +414,7 @@ def _stragglers(rp: Replicas, scored, keys, pick, best_key, price):
     for i, (e_eff, cl, sc, _) in enumerate(scored):
         ok = np.isfinite(sc)
         if ok.any():
-            ok &= (_module_cv(rp, e_eff, cl) <= _STRAGGLER_CV * rc + 1e-12).all(axis=1)
+            ok &= (_module_cv(loads[i]) <= _STRAGGLER_CV * rc + 1e-12).all(axis=1)
         if not ok.any():
             continue
         t = keys[i]
@@ -443,9 +445,8 @@ def _module_loads(rp: Replicas, eidx, lidx) -> np.ndarray:
     return np.concatenate(parts + [l_loads], axis=2)
 
 
-def _module_cv(rp: Replicas, e_eff, lidx) -> np.ndarray:
-    """[R, K] per-microbatch CV of each encoder column (E sets) and the LLM (L sets)."""
-    loads = _module_loads(rp, e_eff, lidx)
+def _module_cv(loads: np.ndarray) -> np.ndarray:
+    """[R, K] per-microbatch CV of each module's ``loads`` [R, m, K] (:func:`_module_loads`)."""
     mean = loads.mean(axis=1)
     return np.where(mean > 0, loads.std(axis=1) / np.where(mean > 0, mean, 1.0), 0.0)
 

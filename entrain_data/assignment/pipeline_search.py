@@ -370,9 +370,8 @@ def refine_by_pipeline(
     p_samp = np.where((valid & has_enc)[..., None], rp.patches, 0)  # [R, n, E]
     p_load = np.rint(slot_sums(eidx, p_samp.astype(np.float64), valid, m)).astype(np.int64)
     wait_tok = np.where(valid & has_enc, tok, 0)
-    waiting = np.zeros((r_count, m), dtype=np.int64)  # tokens buffered after boundary j
-    for j in range(m):
-        waiting[:, j] = np.where((eidx <= j) & (lidx > j), wait_tok, 0).sum(axis=1)
+    # tokens buffered after boundary j: encoded at or before j, consumed after it
+    waiting = (_span(eidx, lidx, np.arange(m)) * wait_tok[..., None]).sum(axis=1)
     n_valid = valid.sum(axis=1)
     # the cost of a round grows with replicas x candidates: cap their product
     k_count = max(2, min(candidates, _CANDIDATE_BUDGET // r_count))

@@ -2,8 +2,8 @@
 
 Each function here returns exactly what its numpy original returns, row by row:
 :func:`fill_sets` is :func:`.llm_sets.llm_sets_fill`, :func:`lpt_sets` is
-:func:`.llm_sets.llm_sets_lpt`, :func:`vector_lpt` is the item-by-item branch of
-:func:`.encoder_sets.vector_bins`, :func:`refine_vector_rows` the loop of
+:func:`.llm_sets.llm_sets_lpt`, :func:`lpt_items` and :func:`vector_lpt` are the
+item-by-item branches of :func:`.encoder_sets.lpt_bins` and :func:`.encoder_sets.vector_bins`, :func:`refine_vector_rows` the loop of
 :func:`.encoder_sets.refine_vector`, :func:`slot_sums_rows` :func:`.common.slot_sums`. The numpy versions loop over microbatches or items
 with one array operation per step over every replica; here each replica runs its own
 loop. Float sums are sequential on both sides (the numpy code sums with ``cumsum``
@@ -17,7 +17,14 @@ import numpy as np
 
 from ..compiled import jit
 
-__all__ = ["fill_sets", "lpt_sets", "vector_lpt", "refine_vector_rows", "slot_sums_rows"]
+__all__ = [
+    "fill_sets",
+    "lpt_sets",
+    "lpt_items",
+    "vector_lpt",
+    "refine_vector_rows",
+    "slot_sums_rows",
+]
 
 
 @jit
@@ -165,6 +172,32 @@ def lpt_sets(eidx, has_enc, valid, llm, tok, order, m, cap, budget):
                 for jb in range(rel, best):
                     buffered[jb] += tk
     return lidx, failed
+
+
+@jit
+def lpt_items(cost, order, valid, m):
+    """[R, n] bin ids of :func:`.encoder_sets.lpt_bins` placing item by item."""
+    r_count, n = cost.shape
+    bins = np.full((r_count, n), -1, np.int64)
+    loads = np.empty(m)
+    counts = np.empty(m)
+    for r in range(r_count):
+        loads[:] = 0.0
+        counts[:] = 0.0
+        for t in range(n):
+            item = order[r, t]
+            if not valid[r, item]:
+                break  # invalid members sort last
+            best = 0
+            best_v = loads[0] + counts[0] * 1e-12
+            for j in range(1, m):
+                v = loads[j] + counts[j] * 1e-12
+                if v < best_v:  # the lightest bin; among equal the first, as a stable sort
+                    best, best_v = j, v
+            bins[r, item] = best
+            loads[best] += cost[r, item]
+            counts[best] += 1.0
+    return bins
 
 
 @jit
