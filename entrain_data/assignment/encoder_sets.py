@@ -129,13 +129,17 @@ def refine_bins(bins: np.ndarray, cost: np.ndarray, valid: np.ndarray, m: int, i
     bins[:] = np.where(valid, slot, -1)
 
 
-def vector_bins(w: np.ndarray, valid: np.ndarray, m: int) -> np.ndarray:
+def vector_bins(
+    w: np.ndarray, valid: np.ndarray, m: int, weight: np.ndarray | None = None
+) -> np.ndarray:
     """[R, n] bin ids (-1 invalid) balancing every column of ``w`` [R, n, D] at once.
 
     Items largest first (by their largest column share); each goes to the bin whose
     worst column, relative to that column's per-bin target, is lowest after adding it
     (vector LPT: the max-normalised-load objective). Short rows item by item, long rows
     in rounds of m (one item per bin per round, the round's largest to the best bin).
+    Among bins equally good the one with the least total relative load wins, each column
+    counted ``weight`` [D] times (as that many copies of it would, without their cost).
     """
     r_count, n, d = w.shape
     target = np.where(valid[..., None], w, 0.0).sum(axis=1) / m  # [R, D]
@@ -146,10 +150,11 @@ def vector_bins(w: np.ndarray, valid: np.ndarray, m: int) -> np.ndarray:
     loads = np.zeros((r_count, m, d))
     rows = np.arange(r_count)
     counts = np.zeros((r_count, m))
+    weight = np.ones(d) if weight is None else np.asarray(weight, dtype=np.float64)
     if n <= _ITEMWISE_LPT and compiled.enabled():
         from . import sets_kernel  # numba is imported with it
 
-        return sets_kernel.vector_lpt(np.ascontiguousarray(wn), order, valid, m)
+        return sets_kernel.vector_lpt(np.ascontiguousarray(wn), order, valid, m, weight)
     if n <= _ITEMWISE_LPT:
         for t in range(n):
             item = order[:, t]
@@ -157,7 +162,7 @@ def vector_bins(w: np.ndarray, valid: np.ndarray, m: int) -> np.ndarray:
             if not ok.any():
                 break
             after = (loads + wn[rows, item][:, None, :]).max(axis=2)  # [R, m]
-            total = np.cumsum(loads, axis=2)[..., -1]  # sequential, as the compiled twin's
+            total = np.cumsum(loads * weight, axis=2)[..., -1]  # sequential, as the compiled twin's
             j = np.argmin(after + 1e-9 * total + 1e-12 * counts, axis=1)
             rr = rows[ok]
             bins[rr, item[ok]] = j[ok]

@@ -240,12 +240,12 @@ def _candidates(rp: Replicas, tolerance: float, stage: StageCosts) -> list[Candi
     # sets, and joint sets balancing the LLM and tokens only) won 2 of 736 replica picks
     # (before refine_vector existed): they are not built.
     tokf = rp.tok[..., None].astype(np.float64)
-    wv = _vector_columns(rp, [rp.enc_cols], 1, tokf)
+    wv = _vector_columns(rp, 1, tokf)
     vb = _vector_sets(rp, wv)
     cands += shaped_candidates(rp, vb, wv, eidx_d, tolerance, _VECTOR_ROUNDS * m)
     cands.append(_joint(rp, order_by_llm(vb, valid, rp.llm, m), wv))
     # the same with the encoder columns weighed _ENC_FIRST times (see there)
-    wx = _vector_columns(rp, [rp.enc_cols] * _ENC_FIRST, _ENC_FIRST, tokf)
+    wx = _vector_columns(rp, _ENC_FIRST, tokf)
     cands.append(_joint(rp, order_by_llm(_vector_sets(rp, wx), valid, rp.llm, m), wx))
     # the deferring sets once more, filled on the work an L set carries: the LLM and the
     # trainable encoders' backward (see _travels_with_l)
@@ -271,16 +271,20 @@ def _travels_with_l(rp: Replicas, stage: StageCosts) -> np.ndarray | None:
     return (lf + lb).sum(axis=2)
 
 
-def _vector_columns(
-    rp: Replicas, enc: list[np.ndarray], times: int, tokf: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """(columns [R, n, D], weight [D]) the vector candidates balance: the encoder columns
-    ``enc``, with several encoders their sum counted ``_TOTAL_WEIGHT * times`` times (as one
-    weighted column: copies cost refine_vector a column each), the LLM and the tokens."""
+def _vector_columns(rp: Replicas, times: int, tokf: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(columns [R, n, D], weight [D]) the vector candidates balance: every encoder column
+    counted ``times`` times, with several encoders their sum counted ``_TOTAL_WEIGHT *
+    times`` times, the LLM and the tokens once (weights, not copies: a copy costs the set
+    builders a column each)."""
     total = [rp.module_costs[..., -2:-1]] if rp.encoders_together else []
-    cols = np.concatenate(enc + total + [rp.llm[..., None], tokf], axis=2)
-    n_enc = sum(e.shape[2] for e in enc)
-    weight = np.concatenate([np.ones(n_enc), [_TOTAL_WEIGHT * times] * len(total), [1.0, 1.0]])
+    cols = np.concatenate([rp.enc_cols] + total + [rp.llm[..., None], tokf], axis=2)
+    weight = np.concatenate(
+        [
+            np.full(rp.enc_cols.shape[2], float(times)),
+            [_TOTAL_WEIGHT * times] * len(total),
+            [1.0, 1.0],
+        ]
+    )
     return cols, weight
 
 
@@ -288,7 +292,7 @@ def _vector_sets(rp: Replicas, w: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
     """[R, n] joint sets balancing every column of ``w`` ((columns [R, n, D], weight [D]):
     vector LPT, refined)."""
     cols, weight = w
-    bins = vector_bins(cols, rp.valid, rp.m)
+    bins = vector_bins(cols, rp.valid, rp.m, weight)
     refine_vector(bins, cols, rp.valid, rp.m, iters=_VECTOR_ROUNDS * rp.m, weight=weight)
     return bins
 

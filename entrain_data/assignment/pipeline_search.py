@@ -36,6 +36,8 @@ encoder stages nothing in the L sets.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
 from .. import compiled
@@ -196,12 +198,13 @@ def _span(first, end, jj):
 
 
 def _replica_times(fwd, bwd):
+    """[...] 1F1B times of [..., M, S] loads, clipped at 0 first: incremental updates leave
+    rounding residue around zero."""
     shape = fwd.shape[:-2]
     m, s = fwd.shape[-2:]
-    # incremental updates leave rounding residue around zero: clip it
     f = np.maximum(fwd.reshape(-1, m, s), 0.0)
-    res = simulate_pipeline(f, np.maximum(bwd.reshape(-1, m, s), 0.0))
-    return res.replica_times.reshape(shape)
+    b = np.maximum(bwd.reshape(-1, m, s), 0.0)
+    return _pipeline_times(f, b, _topo(m, s)).reshape(shape)
 
 
 def proxy_times(rp: Replicas, eidx: np.ndarray, lidx: np.ndarray, stage=None) -> np.ndarray:
@@ -246,7 +249,7 @@ def depth_blind_pricer(rp: Replicas, depths: tuple[int, ...] = UNKNOWN_DEPTHS):
         (
             proxy_stage_shares(totals, d),  # [S, K]
             work * (m + d - 1) / (m * d) if work > 0 else 1.0,
-            np.asarray(topological_order("1f1b", m, d), dtype=np.int64),
+            _topo(m, d),
         )
         for d in depths
     ]
@@ -263,6 +266,14 @@ def depth_blind_pricer(rp: Replicas, depths: tuple[int, ...] = UNKNOWN_DEPTHS):
         return out / len(plans)
 
     return price
+
+
+@lru_cache(maxsize=64)
+def _topo(m: int, stages: int) -> np.ndarray:
+    """The 1F1B ops of ``m`` microbatches on ``stages`` stages in dependency order, as the
+    compiled recurrence reads them ([2 m S, 3] stage, kind, microbatch; cached: shared by
+    every caller, not to be written)."""
+    return np.asarray(topological_order("1f1b", m, stages), dtype=np.int64)
 
 
 def _pipeline_times(fwd: np.ndarray, bwd: np.ndarray, topo: np.ndarray) -> np.ndarray:
@@ -389,7 +400,7 @@ def refine_by_pipeline(
     step = _round_numpy
     if compiled.enabled():
         from .search_kernel import search_round as step  # numba is imported with it
-    topo = np.asarray(topological_order("1f1b", m, fwd.shape[2]), dtype=np.int64)
+    topo = _topo(m, fwd.shape[2])
     p_cap = np.zeros(p_samp.shape[2], np.int64) if pcap is None else np.asarray(pcap, np.int64)
     if pcap is not None and p_load.size:
         # a time refinement: it never raises the largest encoder set level 2 built (the

@@ -201,7 +201,7 @@ def lpt_items(cost, order, valid, m):
 
 
 @jit
-def vector_lpt(wn, order, valid, m):
+def vector_lpt(wn, order, valid, m, weight):
     """[R, n] bin ids of :func:`.encoder_sets.vector_bins` placing item by item."""
     r_count, n, d = wn.shape
     bins = np.full((r_count, n), -1, np.int64)
@@ -218,10 +218,10 @@ def vector_lpt(wn, order, valid, m):
             best_v = np.inf
             for j in range(m):
                 after = loads[j, 0] + wn[r, item, 0]
-                total = loads[j, 0]
+                total = loads[j, 0] * weight[0]
                 for q in range(1, d):
                     after = max(after, loads[j, q] + wn[r, item, q])
-                    total += loads[j, q]
+                    total += loads[j, q] * weight[q]
                 v = after + 1e-9 * total + 1e-12 * counts[j]
                 if v < best_v:
                     best, best_v = j, v
