@@ -116,8 +116,9 @@ def test_simulation_compiled_equals_numpy():
     d=st.integers(1, 9),
     ones=st.booleans(),
     shaped=st.booleans(),
+    weighted=st.booleans(),
 )
-def test_vector_refinement_compiled_equals_numpy(seed, rows, n, m, d, ones, shaped):
+def test_vector_refinement_compiled_equals_numpy(seed, rows, n, m, d, ones, shaped, weighted):
     # the refinement on its own: ties (a count column) and every column count, 9 included;
     # toward equal bins and toward a shaped profile (light edges)
     from entrain_data.assignment.encoder_sets import refine_vector, vector_bins
@@ -130,9 +131,11 @@ def test_vector_refinement_compiled_equals_numpy(seed, rows, n, m, d, ones, shap
     valid = rng.random((rows, n)) < 0.9
     prof = 1.0 + rng.random((rows, 1)) * 0.3 * edge_shape(m)[None, :] if shaped else None
 
+    weight = rng.integers(1, 17, d).astype(float) if weighted else None  # columns counted k times
+
     def refined():
-        bins = vector_bins(w, valid, m)
-        refine_vector(bins, w, valid, m, iters=4 * m, profile=prof)
+        bins = vector_bins(w, valid, m, weight)
+        refine_vector(bins, w, valid, m, iters=4 * m, profile=prof, weight=weight)
         return bins
 
     a, b = _both(refined)

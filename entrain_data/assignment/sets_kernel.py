@@ -3,8 +3,9 @@
 Each function here returns exactly what its numpy original returns, row by row:
 :func:`fill_sets` is :func:`.llm_sets.llm_sets_fill`, :func:`lpt_sets` is
 :func:`.llm_sets.llm_sets_lpt`, :func:`lpt_items` and :func:`vector_lpt` are the
-item-by-item branches of :func:`.encoder_sets.lpt_bins` and :func:`.encoder_sets.vector_bins`, :func:`refine_vector_rows` the loop of
-:func:`.encoder_sets.refine_vector`, :func:`slot_sums_rows` :func:`.common.slot_sums`. The numpy versions loop over microbatches or items
+item-by-item branches of :func:`.encoder_sets.lpt_bins` and :func:`.encoder_sets.vector_bins`,
+:func:`refine_vector_rows` the loop of :func:`.encoder_sets.refine_vector`,
+:func:`slot_sums_rows` :func:`.common.slot_sums`. The numpy versions loop over microbatches or items
 with one array operation per step over every replica; here each replica runs its own
 loop. Float sums are sequential on both sides (the numpy code sums with ``cumsum``
 where an order matters), ties go to the first index as ``argmin``/``argmax`` and the
