@@ -121,6 +121,7 @@ def report(a, spec, table, methods, per, params, device) -> dict:
                 bounds.append(lower_bound(fwd, bwd))
             sim[str(k)][m] = {
                 "iteration_time_s": float(np.mean(times)),
+                "per_iteration_s": [float(t) for t in times],
                 "ideal_s": float(np.mean(ideals)),
                 "lower_bound_s": float(np.mean(bounds)),
             }
@@ -163,3 +164,12 @@ def print_table(res: dict) -> None:
             for m, v in d.items()
         )
         print(f"  K={k}: {cells}")
+        if "sequential" in d and len(d["sequential"]["per_iteration_s"]) > 1:
+            # the ratio iteration by iteration: a mean can hide one iteration that decides it
+            seq = d["sequential"]["per_iteration_s"]
+            per = "  ".join(
+                f"{m} " + " / ".join(f"{s / t:.2f}x" for s, t in zip(seq, v["per_iteration_s"]))
+                for m, v in d.items()
+                if m != "sequential"
+            )
+            print(f"       per iteration vs sequential: {per}")

@@ -235,6 +235,19 @@ def test_repeated_timings_keep_the_median_per_measure():
     assert got["per_encoder"]["vit"]["fwd"] == pytest.approx(0.031)
 
 
+def test_methods_are_timed_microbatch_by_microbatch_in_turn():
+    """Every (iteration, position, method) is timed once; each position's methods back to
+    back, the first one rotating, so neither method pays the GPU's warm-up or drift alone."""
+    methods = ["sequential", "entrain", "verl_kk"]
+    order = train_step.timing_order(methods, iterations=2, count=5)
+    assert sorted(order) == sorted((it, i, m) for it in range(2) for i in range(5) for m in methods)
+    for k in range(0, len(order), 3):
+        group = order[k : k + 3]
+        assert len({(it, i) for it, i, _ in group}) == 1 and {m for *_, m in group} == set(methods)
+    firsts = [order[k][2] for k in range(0, len(order), 3)]
+    assert all(firsts.count(m) >= 3 for m in methods)  # 10 positions, each method leads 3-4
+
+
 @pytest.mark.timeout(180)
 def test_tiny_cpu_run_with_repeats(tmp_path):
     out = tmp_path / "ts.json"
