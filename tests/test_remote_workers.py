@@ -35,6 +35,22 @@ def _remotes(loader) -> list[dict]:
     return [w for w in loader.stats()["workers"] if w["remote"]]
 
 
+def _said(procs: list[subprocess.Popen]) -> str:
+    """What the worker processes printed (those that exited; the others are stopped first):
+    a join that times out then says why."""
+    out = []
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+        try:
+            text, _ = p.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            text, _ = p.communicate()
+        out.append(f"worker {p.pid} (exit {p.returncode}):\n{text[-2000:]}")
+    return "\n".join(out)
+
+
 @pytest.mark.slow
 def test_remote_workers_join_over_curve_and_a_killed_one_loses_nothing(tmp_path):
     from entrain_data.workers.service import start_service
@@ -54,7 +70,8 @@ def test_remote_workers_join_over_curve_and_a_killed_one_loses_nothing(tmp_path)
     try:
         deadline = time.monotonic() + 90
         while len(_remotes(loaders[0])) < 2:
-            assert time.monotonic() < deadline, "remote workers did not join"
+            if time.monotonic() > deadline:
+                pytest.fail(f"remote workers did not join:\n{_said(procs)}")
             time.sleep(0.3)
         its = [iter(ld) for ld in loaders]
         out = {0: [next(its[0])], 1: [next(its[1])]}
