@@ -1,6 +1,6 @@
 #!/bin/bash
-# The GPU step-time checks, sized for one 10-minute call on a lent H100 / H200 (about 8 minutes
-# on an H200): a tiny smoke run first (stops early if CUDA or the model breaks), then the
+# The GPU step-time checks, sized for one 10-minute call on a lent H100 / H200 (474 s on an H100
+# on 2026-11-26): a tiny smoke run first (stops early if CUDA or the model breaks), then the
 # paper-like regime (1280-token images, 512 / dp 4 / 32) and vision-audio, each microbatch
 # timed 3 times (median kept). Writes JSON and a log to $1, else $OUT, else bench/results/gpu-run.
 # Needs torch with CUDA, numpy, pyarrow (the repository on PYTHONPATH is enough).
