@@ -249,6 +249,26 @@ def test_methods_are_timed_microbatch_by_microbatch_in_turn():
 
 
 @pytest.mark.timeout(180)
+def test_residuals_read_a_run_microbatch_by_microbatch(tmp_path, capsys):
+    """bench/train_step_residuals.py rebuilds the run's predicted costs and splits the measured
+    times into a pooled fit and each method's residuals (they cancel: one fit, least squares)."""
+    residuals = _load("train_step_residuals")
+    out = tmp_path / "ts.json"
+    res = train_step.main(["--device", "cpu", "--tiny", "--iterations", "2", "--out", str(out)])
+    got = residuals.main([str(out)])
+    assert "residual by fifth" in capsys.readouterr().out
+    for mod, keys in (("encoder", ("encoder_fwd", "encoder_bwd")), ("llm", ("llm_fwd", "llm_bwd"))):
+        per = got[mod]["methods"]
+        assert set(per) == {"sequential", "entrain"}
+        for m, d in per.items():
+            measured = sum(x[k] for x in res["methods"][m]["microbatches"] for k in keys)
+            assert d["measured_s"] == pytest.approx(measured)
+            assert len(d["residual_ms_by_iteration"]) == 2
+        n = {m: len(res["methods"][m]["microbatches"]) for m in per}
+        assert sum(per[m]["residual_ms"] * n[m] for m in per) == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.timeout(180)
 def test_tiny_cpu_run_with_repeats(tmp_path):
     out = tmp_path / "ts.json"
     train_step.main(["--device", "cpu", "--tiny", "--repeats", "2", "--out", str(out)])
