@@ -13,7 +13,7 @@ from entrain_data.assignment.common import validate_inputs
 from entrain_data.assignment.entrain import _assign
 from entrain_data.assignment.pipeline_search import (
     _per_stage,
-    depth_blind_times,
+    depth_blind_pricer,
     proxy_times,
 )
 from entrain_data.cost_model import per_sample_costs
@@ -95,7 +95,7 @@ def test_depth_blind_price_of_one_depth_is_the_proxy_time(frozen):
     work = (enc.sum() + rp.llm[rp.valid].sum()) / rp.llm.shape[0]
     for d in (2, 4, 8):
         rd = replace(rp, stages=d)
-        got = depth_blind_times(rp, eidx, lidx, (d,)) * work * (m + d - 1) / (m * d)
+        got = depth_blind_pricer(rp, (d,))(eidx, lidx) * work * (m + d - 1) / (m * d)
         np.testing.assert_allclose(got, proxy_times(rd, eidx, lidx), rtol=1e-9)
 
 

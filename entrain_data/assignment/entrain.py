@@ -239,13 +239,12 @@ def _candidates(rp: Replicas, tolerance: float, stage: StageCosts) -> list[Candi
     # candidates (the release-constrained LPT on the LLM-heaviest order and on B's encoder
     # sets, and joint sets balancing the LLM and tokens only) won 2 of 736 replica picks
     # (before refine_vector existed): they are not built.
-    tokf = rp.tok[..., None].astype(np.float64)
-    wv = _vector_columns(rp, 1, tokf)
+    wv = _vector_columns(rp, 1)
     vb = _vector_sets(rp, wv)
     cands += shaped_candidates(rp, vb, wv, eidx_d, tolerance, _VECTOR_ROUNDS * m)
     cands.append(_joint(rp, order_by_llm(vb, valid, rp.llm, m), wv))
     # the same with the encoder columns weighed _ENC_FIRST times (see there)
-    wx = _vector_columns(rp, _ENC_FIRST, tokf)
+    wx = _vector_columns(rp, _ENC_FIRST)
     cands.append(_joint(rp, order_by_llm(_vector_sets(rp, wx), valid, rp.llm, m), wx))
     # the deferring sets once more, filled on the work an L set carries: the LLM and the
     # trainable encoders' backward (see _travels_with_l)
@@ -271,12 +270,13 @@ def _travels_with_l(rp: Replicas, stage: StageCosts) -> np.ndarray | None:
     return (lf + lb).sum(axis=2)
 
 
-def _vector_columns(rp: Replicas, times: int, tokf: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _vector_columns(rp: Replicas, times: int) -> tuple[np.ndarray, np.ndarray]:
     """(columns [R, n, D], weight [D]) the vector candidates balance: every encoder column
     counted ``times`` times, with several encoders their sum counted ``_TOTAL_WEIGHT *
     times`` times, the LLM and the tokens once (weights, not copies: a copy costs the set
     builders a column each)."""
     total = [rp.module_costs[..., -2:-1]] if rp.encoders_together else []
+    tokf = rp.tok[..., None].astype(np.float64)
     cols = np.concatenate([rp.enc_cols] + total + [rp.llm[..., None], tokf], axis=2)
     weight = np.concatenate(
         [

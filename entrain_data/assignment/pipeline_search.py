@@ -11,7 +11,7 @@ the LLM stage stalls unless its own work around those points is heavy enough
 to cover them. Sums cannot express that; a simulation can.
 
 ``assign`` sees per-module costs and the plan's depth (``pipeline_stages``, the plan's
-pp; 4 where not given, the pick then hedging over several: :func:`depth_blind_times`), not
+pp; 4 where not given, the pick then hedging over several: :func:`depth_blind_pricer`), not
 its stage layout, so the simulation runs on a proxy pipeline
 built from those costs the way the static planner builds layouts: that many stages, the
 encoders in front (their chain of columns cut into equal contiguous shares, or all on the
@@ -48,7 +48,6 @@ __all__ = [
     "UNKNOWN_DEPTHS",
     "cv_limits",
     "depth_blind_pricer",
-    "depth_blind_times",
     "random_cut_cv",
     "proxy_stage_shares",
     "proxy_times",
@@ -220,18 +219,11 @@ def proxy_times(rp: Replicas, eidx: np.ndarray, lidx: np.ndarray, stage=None) ->
 UNKNOWN_DEPTHS = (2, 4, 8)  # the depths a pick is priced on when the caller gives no pp
 
 
-def depth_blind_times(
-    rp: Replicas, eidx: np.ndarray, lidx: np.ndarray, depths: tuple[int, ...] = UNKNOWN_DEPTHS
-) -> np.ndarray:
-    """[R] mean over ``depths`` of the proxy 1F1B time relative to that depth's even
-    pipeline (every microbatch the same, every stage the same): the price of a candidate
-    when the plan's depth is not known (:func:`depth_blind_pricer`, for one pricing)."""
-    return depth_blind_pricer(rp, depths)(eidx, lidx)
-
-
 def depth_blind_pricer(rp: Replicas, depths: tuple[int, ...] = UNKNOWN_DEPTHS):
-    """``price(eidx, lidx) -> [R]``: :func:`depth_blind_times` for many candidates of one
-    ``rp``, with the per-sample columns, the stage shares and the schedules computed once.
+    """``price(eidx, lidx) -> [R]``: the mean over ``depths`` of the proxy 1F1B time relative
+    to that depth's even pipeline (every microbatch the same, every stage the same), the
+    price of a candidate when the plan's depth is not known. The per-sample columns, the
+    stage shares and the schedules are computed once for every candidate of one ``rp``.
 
     The fill and drain fall elsewhere at every depth, so sets priced on one depth can lose
     on another: priced on 4 stages and run on 8, entrain trailed the best peer on 8 of 34
