@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(240)
 def _worker(endpoint: str, index, plan, key: bytes, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "entrain_data.cli", "worker", "--connect", endpoint,
-         "--index", str(index), "--plan", str(plan), "--curve-server-key", key.decode(), *extra],
+         "--index", str(index), "--plan", str(plan), f"--curve-server-key={key.decode()}", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
 

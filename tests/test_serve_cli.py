@@ -135,3 +135,18 @@ def test_ctrl_c_in_a_terminal_is_one_line_and_stops_the_workers_at_once(inputs, 
         assert time.monotonic() < deadline, [(w.pid, w.cmdline()[-1:]) for w in left]
         time.sleep(0.1)
     assert not sock.exists() and list(tmp.glob("entrain-*")) == []
+
+
+def test_the_worker_key_argument_the_service_prints_parses_back_for_every_key():
+    # a Z85 key starts with '-' one time in 85 (argparse then read it as an option and the
+    # remote worker exited: "expected one argument") and holds shell characters
+    import shlex
+
+    from entrain_data.workers.cli import worker_key_argument
+
+    from entrain_data.cli import build_parser
+
+    for key in (b"-" + b"a" * 39, b"j$O/&FC*!gX>fHZ?Ns5gdex.i!yQmMS!.gK6[q(F", b"--" + b"x" * 38):
+        words = ["worker", "--connect", "tcp://127.0.0.1:5556", "--index", "i", "--plan", "p"]
+        args = build_parser().parse_args(words + shlex.split(worker_key_argument(key)))
+        assert args.curve_server_key == key.decode()

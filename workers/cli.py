@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -88,6 +89,13 @@ def _curve_keys(args: argparse.Namespace) -> tuple[bytes | None, bytes | None]:
     return secret, zmq.curve_public(secret)
 
 
+def worker_key_argument(public: bytes) -> str:
+    """``--curve-server-key=KEY`` as a shell reads it back: a Z85 key holds shell characters
+    ($ & ! ...) and starts with '-' one time in 85, which argparse takes for an option when
+    the key is a separate word."""
+    return f"--curve-server-key={shlex.quote(public.decode())}"
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from .service import make_config, serve_foreground
 
@@ -118,7 +126,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             flush=True,
         )
         if public is not None:
-            print(f"CURVE public key (give it to clients): {public.decode()}", flush=True)
+            print(
+                f"CURVE public key (give it to clients): {public.decode()}; remote workers: "
+                f"entrain-data worker {worker_key_argument(public)} ...",
+                flush=True,
+            )
 
     t0 = time.monotonic()
     stats = serve_foreground(
@@ -330,6 +342,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--curve-server-key",
         metavar="KEY",
-        help="the service's Z85 CURVE public key (40 characters)",
+        help="the service's Z85 CURVE public key (40 characters); write it as "
+        "--curve-server-key='KEY': a key may start with '-' and holds shell characters",
     )
     p.set_defaults(handler=cmd_worker)
