@@ -240,3 +240,42 @@ def test_cap_packing_compiled_equals_numpy(seed, m, k):
     sizes[0, :, :] = 0.0  # pads only
     a, c = _both(lambda: _packs(sizes, m))
     assert a.dtype == c.dtype == bool and np.array_equal(a, c)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    m=st.integers(2, 10),
+    e=st.integers(1, 2),
+    patch_cap=st.booleans(),
+    twins=st.booleans(),
+    weighted=st.booleans(),
+)
+def test_joint_repair_compiled_equals_numpy(seed, m, e, patch_cap, twins, weighted):
+    # joint sets cut at random, caps 1.1x a mean set: most sets start above one and the
+    # repair runs hundreds of exchanges; twins (every sample twice, as the delay's landing
+    # prices) make exact ties in work
+    from entrain_data.assignment.common import validate_inputs
+    from entrain_data.assignment.entrain import replicas_of
+    from entrain_data.assignment.llm_sets import fits_cap, repair_joint
+
+    rng = np.random.default_rng(seed)
+    dp, per = 3, 12
+    half = dp * m * per // 2 if twins else dp * m * per
+    enc, llm, tok, pt = _batch(rng, half, e)
+    if twins:
+        enc, llm, tok, pt = (np.concatenate([a, a]) for a in (enc, llm, tok, pt))
+    b = len(tok)
+    cap = int(max(tok.max(), 1.1 * tok.sum() / (dp * m)))
+    pcap = np.maximum(pt.max(axis=0), (1.1 * pt.sum(axis=0) / (dp * m)).astype(np.int64))
+    x = validate_inputs(
+        enc, llm, tok, dp, m, cap, None, pt, pcap if patch_cap else None
+    )  # fmt: skip
+    rp = replicas_of(x, rng.permutation(b).reshape(dp, -1))
+    bins = rng.integers(0, m, (dp, b // dp))
+    bins[:, :m] = np.arange(m)
+    work = np.concatenate([rp.enc_cols, rp.llm[..., None], rp.tok[..., None] * 1.0], axis=2)
+    weight = rng.integers(1, 17, work.shape[2]).astype(float) if weighted else None
+    a, c = _both(lambda: repair_joint(rp, bins, work, weight))
+    assert np.array_equal(a, c)
+    assert fits_cap(rp, c).sum() >= fits_cap(rp, bins).sum()

@@ -5,7 +5,8 @@ Each function here returns exactly what its numpy original returns, row by row:
 :func:`.llm_sets.llm_sets_lpt`, :func:`lpt_items` and :func:`vector_lpt` are the
 item-by-item branches of :func:`.encoder_sets.lpt_bins` and :func:`.encoder_sets.vector_bins`,
 :func:`refine_vector_rows` the loop of :func:`.encoder_sets.refine_vector`,
-:func:`slot_sums_rows` :func:`.common.slot_sums`. The numpy versions loop over microbatches or items
+:func:`repair_rows` the exchange loop of :func:`.llm_sets.repair_joint`, :func:`slot_sums_rows`
+:func:`.common.slot_sums`. The numpy versions loop over microbatches or items
 with one array operation per step over every replica; here each replica runs its own
 loop. Float sums are sequential on both sides (the numpy code sums with ``cumsum``
 where an order matters), ties go to the first index as ``argmin``/``argmax`` and the
@@ -24,6 +25,7 @@ __all__ = [
     "lpt_items",
     "vector_lpt",
     "refine_vector_rows",
+    "repair_rows",
     "slot_sums_rows",
 ]
 
@@ -357,3 +359,94 @@ def slot_sums_rows(idx, values, valid, m):
                 for c in range(k):
                     out[r, j, c] += values[r, i, c]
     return out
+
+
+@jit
+def repair_rows(out, valid, size, limit, wn, rows, m):
+    """The exchange loop of :func:`.llm_sets.repair_joint` on replicas ``rows``; updates
+    ``out`` [R, n] in place. Sums over the cap and work columns run in column order, as
+    the numpy code's do."""
+    n_cap = size.shape[2]
+    d = wn.shape[2]
+    over = np.empty(m)
+    room = np.empty(m)
+    for r in rows:
+        v = np.flatnonzero(valid[r])
+        nv = len(v)
+        b = out[r][v]
+        sz = size[r][v]
+        x = wn[r][v]
+        load = np.zeros((m, n_cap), np.int64)
+        for i in range(nv):
+            for c in range(n_cap):
+                load[b[i], c] += sz[i, c]
+        give = np.empty(nv, np.int64)
+        take = np.empty(nv, np.int64)
+        for _ in range(4 * nv):  # each exchange lowers the total overflow
+            for j in range(m):
+                s = max(load[j, 0] - limit[0], 0) / limit[0]
+                low = (limit[0] - load[j, 0]) / limit[0]
+                for c in range(1, n_cap):
+                    s += max(load[j, c] - limit[c], 0) / limit[c]
+                    low = min(low, (limit[c] - load[j, c]) / limit[c])
+                over[j] = s
+                room[j] = low
+            h = np.argmax(over)
+            if over[h] <= 0:
+                break
+            ng = 0
+            nt = 0
+            for i in range(nv):
+                if b[i] == h:
+                    give[ng] = i
+                    ng += 1
+                else:
+                    take[nt] = i
+                    nt += 1
+            if ng < 2:
+                break  # one sample alone above a cap: validation names it
+            room[h] = -np.inf
+            spare = np.argmax(room)  # where a sample given alone goes
+            best = np.inf
+            bi = -1
+            bk = -1
+            for gi in range(ng):
+                a = give[gi]
+                for k in range(nt + 1):
+                    alone = k == nt
+                    c_ = 0 if alone else take[k]
+                    dest = spare if alone else b[c_]
+                    back0 = 0 if alone else sz[c_, 0]
+                    new_over = max(load[h, 0] - sz[a, 0] + back0 - limit[0], 0) / limit[0]
+                    fits = load[dest, 0] + sz[a, 0] - back0 <= limit[0]
+                    for c in range(1, n_cap):
+                        back = 0 if alone else sz[c_, c]
+                        new_over += max(load[h, c] - sz[a, c] + back - limit[c], 0) / limit[c]
+                        fits = fits and load[dest, c] + sz[a, c] - back <= limit[c]
+                    if not (new_over < over[h] - 1e-12 and fits):
+                        continue
+                    g = (0.0 if alone else x[c_, 0]) - x[a, 0]
+                    cost = g * g
+                    for q in range(1, d):
+                        g = (0.0 if alone else x[c_, q]) - x[a, q]
+                        cost += g * g
+                    if cost < best:
+                        best = cost
+                        bi = gi
+                        bk = k
+            if bi < 0:
+                break
+            a = give[bi]
+            j = spare if bk == nt else b[take[bk]]
+            for c in range(n_cap):
+                load[h, c] -= sz[a, c]
+                load[j, c] += sz[a, c]
+            b[a] = j
+            if bk < nt:
+                c_ = take[bk]
+                for c in range(n_cap):
+                    load[j, c] -= sz[c_, c]
+                    load[h, c] += sz[c_, c]
+                b[c_] = h
+        for i in range(nv):
+            out[r, v[i]] = b[i]
