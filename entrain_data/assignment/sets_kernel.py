@@ -31,36 +31,37 @@ __all__ = [
 
 
 @jit
-def _fill_row(avail, cost, tok, limit, cap, take, fills):
-    """One row of :func:`.llm_sets._fill`: marks ``take``, returns the tokens taken."""
+def _fill_row(avail, cost, tok, order, limit, cap, take, fills):
+    """One row of :func:`.llm_sets._fill`: marks ``take``, returns the tokens taken.
+    ``order``: every item by descending cost, ties by index (a stable argsort of
+    ``-cost``); the available ones in it are the numpy code's sorted candidates."""
     n = cost.shape[0]
-    key = np.empty(n)
     for i in range(n):
-        key[i] = -cost[i] if avail[i] else np.inf
-    order = np.argsort(key, kind="mergesort")
-    length = n
+        take[i] = False
     cum_c = 0.0
     cum_t = 0
     load = 0.0
+    ntok = 0
+    taken = 0
+    first = -1
     for k in range(n):
         i = order[k]
-        c = cost[i] if avail[i] else 0.0
-        t = tok[i] if avail[i] else 0
-        cum_c += c
-        cum_t += t
-        if not (avail[i] and cum_c <= limit and cum_t <= cap):
-            length = k
+        if not avail[i]:
+            continue
+        if first < 0:
+            first = i
+        cum_c += cost[i]
+        cum_t += tok[i]
+        if not (cum_c <= limit and cum_t <= cap):
             break
+        take[i] = True
+        taken += 1
+        ntok += tok[i]
         load = cum_c
-    if length == 0 and avail[order[0]]:
-        length = 1
-        load = cost[order[0]]
-    ntok = 0
-    for i in range(n):
-        take[i] = False
-    for k in range(length):
-        take[order[k]] = True
-        ntok += tok[order[k]] if avail[order[k]] else 0
+    if taken == 0 and first >= 0:  # the largest alone, whatever its size
+        take[first] = True
+        load = cost[first]
+        ntok = tok[first]
     for _ in range(fills):
         best = -1
         best_c = -1.0
@@ -88,6 +89,7 @@ def fill_sets(eidx, has_enc, valid, llm, tok, prof, tail, m, tol, cap, use_budge
     okey = np.empty(n, np.int64)
     big = np.iinfo(np.int64).max // 4
     for r in range(r_count):
+        by_cost = np.argsort(-llm[r], kind="mergesort")
         for i in range(n):
             consumed[i] = not valid[r, i]
         for j in range(m):
@@ -107,7 +109,7 @@ def fill_sets(eidx, has_enc, valid, llm, tok, prof, tail, m, tol, cap, use_budge
                     failed[r] = True
             else:
                 target = remaining * prof[r, j] / tail[r, j]
-                ntok = _fill_row(avail, llm[r], tok[r], target * (1 + tol), cap, take, 3)
+                ntok = _fill_row(avail, llm[r], tok[r], by_cost, target * (1 + tol), cap, take, 3)
                 if use_budget:
                     buffered = 0
                     for i in range(n):
@@ -236,6 +238,50 @@ def vector_lpt(wn, order, valid, m, weight):
 
 
 @jit
+def _nth_smallest(values, k):
+    """The index at position ``k`` of a stable ascending argsort of ``values`` (ties by
+    index), without sorting: an argmin for ``k == 0``, a rank count otherwise."""
+    n = values.shape[0]
+    if k == 0:
+        best = 0
+        for j in range(1, n):
+            if values[j] < values[best]:
+                best = j
+        return best
+    for j in range(n):
+        rank = 0
+        for i in range(n):
+            if values[i] < values[j] or (values[i] == values[j] and i < j):
+                rank += 1
+        if rank == k:
+            return j
+    return n - 1
+
+
+@jit
+def _sort_by_key(items, keys, count):
+    """Sort ``items[:count]`` (and ``keys[:count]`` with them) by ascending key, ties kept in
+    their order, as a stable argsort does; insertion sort where few (no allocation)."""
+    if count > 64:
+        order = np.argsort(keys[:count], kind="mergesort")
+        sorted_items = items[:count][order]
+        sorted_keys = keys[:count][order]
+        items[:count] = sorted_items
+        keys[:count] = sorted_keys
+        return
+    for i in range(1, count):
+        it = items[i]
+        ky = keys[i]
+        j = i - 1
+        while j >= 0 and keys[j] > ky:
+            items[j + 1] = items[j]
+            keys[j + 1] = keys[j]
+            j -= 1
+        items[j + 1] = it
+        keys[j + 1] = ky
+
+
+@jit
 def refine_vector_rows(slot, wn, dev, counts, m, iters, pair_items):
     """The loop of :func:`.encoder_sets.refine_vector`, row by row; updates ``slot``,
     ``dev`` and ``counts`` in place."""
@@ -269,7 +315,7 @@ def refine_vector_rows(slot, wn, dev, counts, m, iters, pair_items):
                     acc = acc + dev[r, j, q] * dev[r, h, q]
                 opp[j] = acc
             opp[h] = np.inf
-            b = np.argsort(opp, kind="mergesort")[min(tries, m - 2)]
+            b = _nth_smallest(opp, min(tries, m - 2))
             for q in range(d):
                 u[q] = dev[r, h, q] - dev[r, b, q]
             nh = 0
@@ -288,14 +334,10 @@ def refine_vector_rows(slot, wn, dev, counts, m, iters, pair_items):
                         key_b[nb] = acc
                         nb += 1
             # the items whose leaving helps most first (stable: ties by index), at most pair_items
-            oh = np.argsort(key_h[:nh], kind="mergesort")
-            ob = np.argsort(key_b[:nb], kind="mergesort")
-            sh = ih[:nh][oh]
-            sb = ib[:nb][ob]
+            _sort_by_key(ih, key_h, nh)
+            _sort_by_key(ib, key_b, nb)
             nh = min(nh, pair_items)
             nb = min(nb, pair_items)
-            ih[:nh] = sh[:nh]
-            ib[:nb] = sb[:nb]
             best = np.inf
             bx = -1
             by = -1
