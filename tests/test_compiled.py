@@ -142,6 +142,26 @@ def test_vector_refinement_compiled_equals_numpy(seed, rows, n, m, d, ones, shap
     assert np.array_equal(a, b)
 
 
+@pytest.mark.parametrize("n, m", [(150, 3), (400, 3), (600, 2)])
+def test_vector_refinement_compiled_equals_numpy_on_large_bins(n, m):
+    # bins of 50 to 300 items: more than the items tried per bin (32), and past the size
+    # where the compiled twin stops sorting them in place (64)
+    from entrain_data.assignment.encoder_sets import refine_vector, vector_bins
+
+    rng = np.random.default_rng(n + m)
+    w = rng.lognormal(0, 1, (2, n, 3))
+    w[..., 0] = 1.0  # a count: ties
+    valid = rng.random((2, n)) < 0.95
+
+    def refined():
+        bins = vector_bins(w, valid, m)
+        refine_vector(bins, w, valid, m, iters=8 * m)
+        return bins
+
+    a, b = _both(refined)
+    assert np.array_equal(a, b)
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 2**31 - 1),
