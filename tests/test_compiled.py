@@ -142,6 +142,35 @@ def test_vector_refinement_compiled_equals_numpy(seed, rows, n, m, d, ones, shap
     assert np.array_equal(a, b)
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    rows=st.integers(1, 6),
+    n=st.integers(1, 200),
+    m=st.integers(2, 16),
+    ties=st.booleans(),
+    cut=st.booleans(),
+)
+def test_bin_refinement_compiled_equals_numpy(seed, rows, n, m, ties, cut):
+    # LPT's bins (or a random cut: many steps before no exchange helps) refined by swaps and
+    # moves between the heaviest and lightest bin: equal costs (a few values), invalid
+    # members, bins of 1 to 100 items
+    from entrain_data.assignment.encoder_sets import lpt_bins, refine_bins
+
+    rng = np.random.default_rng(seed)
+    cost = rng.integers(1, 4, (rows, n)) * 0.5 if ties else rng.lognormal(0, 1, (rows, n))
+    valid = rng.random((rows, n)) < 0.9
+    start = np.where(valid, rng.integers(0, m, (rows, n)), -1) if cut else None
+
+    def refined():
+        bins = lpt_bins(cost, valid, m) if start is None else start.copy()
+        refine_bins(bins, cost, valid, m, iters=4 * m)
+        return bins
+
+    a, b = _both(refined)
+    assert np.array_equal(a, b)
+
+
 @pytest.mark.parametrize("n, m", [(150, 3), (400, 3), (600, 2)])
 def test_vector_refinement_compiled_equals_numpy_on_large_bins(n, m):
     # bins of 50 to 300 items: more than the items tried per bin (32), and past the size

@@ -77,6 +77,12 @@ def refine_bins(bins: np.ndarray, cost: np.ndarray, valid: np.ndarray, m: int, i
     slot = np.where(valid, bins, m)  # invalid items in an extra, ignored bin
     flat_rows = np.broadcast_to(rows[:, None], slot.shape)
     span = 4.0 * (float(c.max()) + 1.0) * (1 + n)
+    if compiled.enabled():
+        from . import sets_kernel  # numba is imported with it
+
+        sets_kernel.refine_bins_rows(slot, np.ascontiguousarray(c), m, iters, span)
+        bins[:] = np.where(valid, slot, -1)
+        return
     for _ in range(iters):
         counts = np.zeros((r_count, m + 1), dtype=np.int64)
         np.add.at(counts, (flat_rows, slot), 1)
@@ -86,9 +92,8 @@ def refine_bins(bins: np.ndarray, cost: np.ndarray, valid: np.ndarray, m: int, i
         h = np.argmax(loads, axis=1)
         lo = np.argmin(loads, axis=1)
         gap = loads[rows, h] - loads[rows, lo]
-        # members of h and lo, each sorted by cost, padded to k
-        key = slot * span + c
-        order = np.argsort(key, axis=1, kind="stable")
+        # members of h and lo, each sorted by cost (ties by index), padded to k
+        order = np.lexsort((c, slot), axis=1)
         starts = np.cumsum(counts, axis=1) - counts
         nh, nl = counts[rows, h], counts[rows, lo]
         k = int(max(nh.max(), nl.max(), 1))

@@ -5,7 +5,7 @@ Each function here returns exactly what its numpy original returns, row by row:
 :func:`.llm_sets.llm_sets_lpt`, :func:`lpt_items` and :func:`vector_lpt` are the
 item-by-item branches of :func:`.encoder_sets.lpt_bins` and :func:`.encoder_sets.vector_bins`,
 :func:`refine_vector_rows` the loop of :func:`.encoder_sets.refine_vector`,
-:func:`repair_rows` the exchange loop of :func:`.llm_sets.repair_joint`, :func:`slot_sums_rows`
+:func:`refine_bins_rows` that of :func:`.encoder_sets.refine_bins`, :func:`repair_rows` the exchange loop of :func:`.llm_sets.repair_joint`, :func:`slot_sums_rows`
 :func:`.common.slot_sums`. The numpy versions loop over microbatches or items
 with one array operation per step over every replica; here each replica runs its own
 loop. Float sums are sequential on both sides (the numpy code sums with ``cumsum``
@@ -25,6 +25,7 @@ __all__ = [
     "lpt_items",
     "vector_lpt",
     "refine_vector_rows",
+    "refine_bins_rows",
     "repair_rows",
     "slot_sums_rows",
 ]
@@ -492,3 +493,81 @@ def repair_rows(out, valid, size, limit, wn, rows, m):
                 b[c_] = h
         for i in range(nv):
             out[r, v[i]] = b[i]
+
+
+@jit
+def refine_bins_rows(slot, c, m, iters, span):
+    """The loop of :func:`.encoder_sets.refine_bins`, row by row; updates ``slot`` in place.
+    A row stops where its step finds no better exchange (the numpy code's rows stay as they
+    are from then on). The light bin's costs, with a 0 (a move) in front, are searched for
+    each heavy item's ideal partner with the numpy code's offsets (``r * span``) and
+    comparisons, so the same two neighbours are tried."""
+    r_count, n = slot.shape
+    loads = np.empty(m + 1)
+    heavy = np.empty(n, np.int64)
+    light = np.empty(n, np.int64)
+    fl = np.empty(n + 1)
+    for r in range(r_count):
+        by_cost = np.argsort(c[r], kind="mergesort")  # ascending, ties by index
+        off = r * span
+        for _ in range(iters):
+            loads[:] = 0.0
+            for i in range(n):
+                loads[slot[r, i]] += c[r, i]
+            h = 0
+            lo = 0
+            for j in range(1, m):
+                if loads[j] > loads[h]:
+                    h = j
+                if loads[j] < loads[lo]:
+                    lo = j
+            gap = loads[h] - loads[lo]
+            nh = 0
+            nl = 0
+            for t in range(n):
+                i = by_cost[t]
+                if slot[r, i] == h:
+                    heavy[nh] = i
+                    nh += 1
+                elif slot[r, i] == lo:
+                    light[nl] = i
+                    nl += 1
+            fl[0] = 0.0 + off
+            for j in range(nl):
+                fl[j + 1] = c[r, light[j]] + off
+            best_gap = np.inf
+            best_a = 0
+            best_b = 0
+            for side in range(2):  # the neighbour below the ideal partner, then above
+                pass_g = np.inf
+                pass_a = 0
+                pass_p = 0
+                for a in range(nh):
+                    ch = c[r, heavy[a]]
+                    want = ch - gap / 2 + off
+                    lo_i = 0  # searchsorted (left) over fl[0 .. nl]
+                    hi_i = nl + 1
+                    while lo_i < hi_i:
+                        mid = (lo_i + hi_i) >> 1
+                        if fl[mid] < want:
+                            lo_i = mid + 1
+                        else:
+                            hi_i = mid
+                    p = max(lo_i - 1 + side, 0)
+                    if p > nl:
+                        continue  # past the light bin's items (a pad in the numpy code)
+                    cand = 0.0 if p == 0 else c[r, light[p - 1]]
+                    ng = abs(gap - 2 * (ch - cand))
+                    if ng < pass_g:
+                        pass_g = ng
+                        pass_a = a
+                        pass_p = p
+                if pass_g < best_gap:
+                    best_gap = pass_g
+                    best_a = pass_a
+                    best_b = pass_p
+            if not (best_gap < gap - 1e-12 * max(gap, 1.0)):
+                break
+            slot[r, heavy[best_a]] = lo
+            if best_b > 0:
+                slot[r, light[best_b - 1]] = h
