@@ -208,6 +208,8 @@ def refine_vector(
     image at one resolution) its bins hold 3 or 5 items where 4 would balance every column.
     ``weight`` [D] counts each column's squared deviation that many times (as that many
     copies of the column would, without their cost).
+    ``profile`` [R, m] (or [R, m, D], one per column) is each bin's share of the mean the
+    refinement aims at (None: equal bins).
     Each step tries every (move, swap) among the ``_PAIR_ITEMS`` items of each bin whose leaving
     helps most (projected on the two bins' deviation difference; all of them in bins that small):
     O(R * (n + _PAIR_ITEMS^2) * D) a step, whatever the bins hold.
@@ -225,7 +227,8 @@ def refine_vector(
         root = np.sqrt(np.asarray(weight, dtype=np.float64))
         wn = wn * root
         on = on * root
-    dev = slot_sums(slot, wn, valid, m) - prof[:, :, None] * on  # [R, m, D]
+    prof = prof if prof.ndim == 3 else prof[:, :, None]  # [R, m, 1] or per column [R, m, D]
+    dev = slot_sums(slot, wn, valid, m) - prof * on  # [R, m, D]
     counts = slot_sums(slot, np.ones((r_count, n)), valid, m)
     if compiled.enabled():
         from . import sets_kernel  # numba is imported with it

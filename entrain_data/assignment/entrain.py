@@ -87,7 +87,7 @@ from .pipeline_search import (
     stage_costs,
 )
 from .replica_split import fit_caps, norm_columns, split_replicas
-from .shaping import shaped_candidates
+from .shaping import coshaped_candidate, shaped_candidates
 
 # (ef, lf, lb) [R, n, S] of pipeline_search.stage_costs
 StageCosts = tuple[np.ndarray, np.ndarray, np.ndarray]
@@ -242,6 +242,9 @@ def _candidates(rp: Replicas, tolerance: float, stage: StageCosts) -> list[Candi
     wv = _vector_columns(rp, 1)
     vb = _vector_sets(rp, wv)
     cands += shaped_candidates(rp, vb, wv, eidx_d, tolerance, _VECTOR_ROUNDS * m)
+    co = coshaped_candidate(rp, vb, wv, _VECTOR_ROUNDS * m)
+    if co is not None:
+        cands.append(co)
     cands.append(_joint(rp, order_by_llm(vb, valid, rp.llm, m), wv))
     # the same with the encoder columns weighed _ENC_FIRST times (see there)
     wx = _vector_columns(rp, _ENC_FIRST)
