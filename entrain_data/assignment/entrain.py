@@ -333,7 +333,13 @@ def _pick(cands: list[Candidate], rp: Replicas, stage: StageCosts) -> tuple[np.n
         failed |= _empty_llm_set(c.lidx, valid, m)
         scored.append((e_eff, c.lidx, np.where(failed, np.inf, sc), ecv))
         shaped.append(c.profile is not None)
-    best_sc = np.min([sc for *_, sc, _ in scored], axis=0)
+    # the bands are relative to the best even candidate: a shaped one's score is measured
+    # against its own profile and can be far lower than any even one's (co-shaped sets on
+    # common-voice-ps left every candidate out of band, and the replica fell to FFD sets)
+    every = np.min([sc for *_, sc, _ in scored], axis=0)
+    even = [sc for (*_, sc, _), sh in zip(scored, shaped, strict=True) if not sh]
+    best_sc = np.min(even, axis=0) if even else every
+    best_sc = np.where(np.isfinite(best_sc), best_sc, every)
 
     def in_band(sc, ecv, score_level: float, enc_level: float) -> np.ndarray:
         """[R] within the relative bands of the best candidate, or under the absolute levels."""
