@@ -41,6 +41,7 @@ _SCALES = (1.0, 0.5)  # candidates at these shares of the largest allowed amplit
 # co-shaped sets: a column follows the forced profile by at most this share of its random
 # cut's CV (the straggler rule's bound, entrain._STRAGGLER_CV)
 _COSHAPE_CV = 0.75
+_CAP_AIM = 0.9  # co-shaped sets aim a microbatch's tokens at no more than this share of the cap
 
 
 def edge_shape(m: int) -> np.ndarray:
@@ -140,9 +141,13 @@ def coshaped_candidate(
     it as far as its own samples vary: its profile's CV is at most ``_COSHAPE_CV`` of the
     CV a random equal-count cut of its samples gives, so no module ends less even than a
     cost-blind cut leaves it, and a column that costs the same on every sample (every clip
-    padded to 30 s) stays even. The sets are then refined toward those profiles on every
-    column of ``wv`` (``refine_iters`` steps) and repaired under the caps; a replica where a
-    module other than the driver still ends less even than a random cut does not take them.
+    padded to 30 s) stays even, and no microbatch's tokens are aimed past ``_CAP_AIM`` of
+    the token cap. The sets are then refined toward those profiles on every column of ``wv``
+    (``refine_iters`` steps) and repaired under the caps (the token aim keeps the repair
+    short: without it the exchanges took 20 ms an assignment at 8192 / dp 128; without any
+    repair the heavy microbatches break the patch cap and most replicas lose these sets).
+    A replica does not take them where a cap still breaks, or where a module other than the
+    driver ends less even than a random cut.
     """
     m, valid = rp.m, rp.valid
     cost = np.where(valid[..., None], rp.module_costs, 0.0)  # [R, n, K]
@@ -164,6 +169,11 @@ def coshaped_candidate(
     follow = np.clip(_COSHAPE_CV * random_cut_cv(cols[rows], sub.valid, m) / spread, 0.0, 1.0)
     np.put_along_axis(follow, driver[:, None], 1.0, axis=1)  # the driver's shape is forced
     prof_cols = 1.0 + follow[:, None, :] * (prof - 1.0)[..., None]  # [r, m, D]
+    if rp.cap is not None:  # never aim a microbatch's tokens (the last column) past the cap
+        mean_tok = sub.tok.sum(axis=1) / m
+        room = rp.cap / np.where(mean_tok > 0, mean_tok, 1.0)
+        tok_prof = np.minimum(prof_cols[..., -1], _CAP_AIM * room[:, None])
+        prof_cols[..., -1] = tok_prof / tok_prof.mean(axis=1, keepdims=True)
     joint = vector_sets[rows].copy()
     refine_vector(
         joint, cols[rows], sub.valid, m, iters=refine_iters, profile=prof_cols, weight=weight
