@@ -32,7 +32,10 @@ Two more candidates of each kind are *shaped* (:mod:`.shaping`): their first and
 microbatch carry less than a mean one, because 1F1B runs the first one's forward and
 the last one's backward alone through the pipeline; equal microbatches cannot reach
 that time. The shape's CV is bounded by a quarter of a random cut's, and a shaped
-candidate must be 0.3% faster by the proxy to be taken.
+candidate must be 0.3% faster by the proxy to be taken. On replicas holding a sample
+heavier than a mean microbatch, one more is *co-shaped*: every module follows the profile
+that sample forces on its module, so the stages stay in step instead of taking turns as
+the bottleneck (:func:`.shaping.coshaped_candidate`).
 
 At every batch size the chosen sets are then refined against a
 simulated 1F1B pipeline (:mod:`.pipeline_search`): whole-sample moves that
