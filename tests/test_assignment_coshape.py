@@ -59,10 +59,10 @@ def test_every_module_follows_the_profile_the_heavy_samples_force():
     e1, l1 = loads(c.eidx)
     # the LLM rises and falls with the encoder: balanced column by column it did not
     assert np.corrcoef(e1, l1)[0, 1] > 0.8 and np.corrcoef(e0, l0)[0, 1] < 0.3
-    # the heaviest microbatches sit in the middle, the edges carry the lightest
+    # the three heavy microbatches sit in the middle, the edges carry none of them
     order = np.argsort(-e1)
     assert set(order[:3]) <= set(range(4, 12))
-    assert e1[[0, -1]].max() <= np.sort(e1)[7]
+    assert e1[[0, -1]].max() < np.sort(e1)[-3]
 
 
 def test_no_candidate_where_every_sample_fits_a_mean_microbatch():

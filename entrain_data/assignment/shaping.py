@@ -136,8 +136,10 @@ def coshaped_candidate(
     32, ``qwen2vl-dynamic`` on three encoder stages and one LLM stage: 12.17 s for the
     column-balanced sets, 11.60 s for these, 11.83 s for ``verl_kk``'s).
 
-    The profile is the per-microbatch load, on ``vector_sets``, of the module whose
-    largest sample is the heaviest against a mean microbatch. Every other column follows
+    The profile is the least uneven one whole samples allow the module whose largest sample
+    is the heaviest against a mean microbatch (the driver): each sample heavier than the
+    even share of what is left alone in a microbatch, the rest even (:func:`_water_levels`),
+    the highest level on the set that holds the most of the driver. Every other column follows
     it as far as its own samples vary: its profile's CV is at most ``_COSHAPE_CV`` of the
     CV a random equal-count cut of its samples gives, so no module ends less even than a
     cost-blind cut leaves it, and a column that costs the same on every sample (every clip
@@ -158,10 +160,11 @@ def coshaped_candidate(
         return None
     sub = rp.take(rows)
     driver = ratio[rows].argmax(axis=1)
-    loads = slot_sums(vector_sets[rows], cost[rows], sub.valid, m)  # [r, m, K]
-    drive = np.take_along_axis(loads, driver[:, None, None], axis=2)[..., 0]  # [r, m]
-    prof = drive / drive.mean(axis=1, keepdims=True)
-    prof = np.maximum(prof, 0.2)  # every microbatch keeps some of every module
+    dc = np.take_along_axis(cost[rows], driver[:, None, None], axis=2)[..., 0]  # [r, n]
+    level = _water_levels(dc, m)  # [r, m] descending: what the heavy samples force
+    drive = slot_sums(vector_sets[rows], dc, sub.valid, m)  # the driver's load per set
+    prof = np.empty_like(level)  # the heaviest set gets the highest level, and so on
+    np.put_along_axis(prof, np.argsort(-drive, axis=1, kind="stable"), level, axis=1)
     prof /= prof.mean(axis=1, keepdims=True)
     cols, weight = wv  # the first K columns are the modules of ``module_costs``, in order
     # how far each column follows: its random cut's CV (times 3/4) over the profile's
@@ -206,3 +209,25 @@ def coshaped_candidate(
     profile = np.ones((valid.shape[0], m, cost.shape[2]))
     profile[rows] = prof_new[..., : cost.shape[2]]
     return Candidate(eidx, eidx, failed, profile)
+
+
+def _water_levels(cost: np.ndarray, m: int) -> np.ndarray:
+    """[R, m] per-microbatch loads, descending, of the most even split of each row's
+    ``cost`` [R, n] into ``m`` microbatches that keeps samples whole, samples taken apart:
+    a sample heavier than an even share of what remains fills a microbatch alone, the rest
+    is spread evenly (the water-filling lower bound on every microbatch's load)."""
+    items = -np.sort(-cost, axis=1)
+    r_count, n = items.shape
+    out = np.zeros((r_count, m))
+    rest = items.sum(axis=1)
+    open_rows = np.ones(r_count, bool)
+    for k in range(m):
+        share = rest / (m - k)
+        item = items[:, k] if k < n else np.zeros(r_count)
+        alone = open_rows & (item > share)
+        out[alone, k] = item[alone]
+        rest = np.where(alone, rest - item, rest)
+        done = open_rows & ~alone
+        out[done, k:] = share[done, None]
+        open_rows &= alone
+    return out
