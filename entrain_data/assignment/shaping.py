@@ -42,6 +42,7 @@ _SCALES = (1.0, 0.5)  # candidates at these shares of the largest allowed amplit
 # cut's CV (the straggler rule's bound, entrain._STRAGGLER_CV)
 _COSHAPE_CV = 0.75
 _CAP_AIM = 0.9  # co-shaped sets aim a microbatch's tokens at no more than this share of the cap
+_LEVEL_FLOOR = 0.05  # and every microbatch at least this share of a mean one of every module
 
 
 def edge_shape(m: int) -> np.ndarray:
@@ -165,6 +166,10 @@ def coshaped_candidate(
     drive = slot_sums(vector_sets[rows], dc, sub.valid, m)  # the driver's load per set
     prof = np.empty_like(level)  # the heaviest set gets the highest level, and so on
     np.put_along_axis(prof, np.argsort(-drive, axis=1, kind="stable"), level, axis=1)
+    prof /= prof.mean(axis=1, keepdims=True)
+    # a driver with fewer samples than microbatches leaves levels at zero: every set keeps
+    # a little of every module (and the pick's score divides by the profile)
+    prof = np.maximum(prof, _LEVEL_FLOOR)
     prof /= prof.mean(axis=1, keepdims=True)
     cols, weight = wv  # the first K columns are the modules of ``module_costs``, in order
     # how far each column follows: its random cut's CV (times 3/4) over the profile's
