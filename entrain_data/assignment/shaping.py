@@ -1,4 +1,5 @@
-"""Level-2 candidates with light first and last microbatches ("shaped" sets).
+"""Level-2 candidates with light first and last microbatches ("shaped" sets), and co-shaped
+ones where a sample outweighs a mean microbatch (:func:`coshaped_candidate`).
 
 1F1B exposes two microbatches: the first one's forward runs alone through every
 stage while the pipeline fills, the last one's backward (twice the forward's
@@ -135,7 +136,7 @@ def coshaped_candidate(
     run 1.3-1.6x a mean microbatch and the LLM stage 1.0-1.1x, and the reverse after. When
     every module follows the same profile the stages stay in step (measured, 4096 / dp 16 /
     32, ``qwen2vl-dynamic`` on three encoder stages and one LLM stage: 12.17 s for the
-    column-balanced sets, 11.60 s for these, 11.83 s for ``verl_kk``'s).
+    column-balanced sets, 11.54 s for these, 11.83 s for ``verl_kk``'s).
 
     The profile is the least uneven one whole samples allow the module whose largest sample
     is the heaviest against a mean microbatch (the driver): each sample heavier than the
@@ -173,7 +174,7 @@ def coshaped_candidate(
     prof /= prof.mean(axis=1, keepdims=True)
     cols, weight = wv  # the first K columns are the modules of ``module_costs``, in order
     # how far each column follows: its random cut's CV (times 3/4) over the profile's
-    spread = prof.std(axis=1)[:, None]  # [r, 1]
+    spread = np.maximum(prof.std(axis=1), 1e-12)[:, None]  # [r, 1]
     follow = np.clip(_COSHAPE_CV * random_cut_cv(cols[rows], sub.valid, m) / spread, 0.0, 1.0)
     np.put_along_axis(follow, driver[:, None], 1.0, axis=1)  # the driver's shape is forced
     prof_cols = 1.0 + follow[:, None, :] * (prof - 1.0)[..., None]  # [r, m, D]
