@@ -19,6 +19,8 @@ __all__ = [
     "check_assignment",
     "rng_for",
     "slot_sums",
+    "module_cv",
+    "mountain_positions",
     "DEFAULT_PIPELINE_STAGES",
 ]
 
@@ -152,6 +154,25 @@ class Candidate:
     lidx: np.ndarray  # [R, n] LLM microbatch, -1 pads
     failed: np.ndarray  # [R] bool
     profile: np.ndarray | None = None  # [R, m, K] intended load share per module (None: even)
+
+
+def module_cv(loads: np.ndarray) -> np.ndarray:
+    """[R, K] per-microbatch CV of each module's ``loads`` [R, m, K] (0 where a module has none)."""
+    mean = loads.mean(axis=1)
+    return np.where(mean > 0, loads.std(axis=1) / np.where(mean > 0, mean, 1.0), 0.0)
+
+
+def mountain_positions(load: np.ndarray) -> np.ndarray:
+    """[R, m] new position of each microbatch so the heaviest of ``load`` [R, m] sits in the
+    middle and the lightest at the edges (1F1B runs the first forward and the last backward
+    alone; ties keep their order)."""
+    r_count, m = load.shape
+    centre = (m - 1) / 2
+    pos_order = np.argsort(np.abs(np.arange(m) - centre), kind="stable")
+    heavy_first = np.argsort(-load, axis=1, kind="stable")  # [R, m] old bin ids
+    newpos = np.empty((r_count, m), dtype=np.int64)
+    np.put_along_axis(newpos, heavy_first, np.broadcast_to(pos_order, (r_count, m)), axis=1)
+    return newpos
 
 
 def slot_sums(idx: np.ndarray, values: np.ndarray, valid: np.ndarray, m: int) -> np.ndarray:

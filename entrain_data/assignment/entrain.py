@@ -65,7 +65,16 @@ from dataclasses import replace
 
 import numpy as np
 
-from .common import Assignment, Candidate, Inputs, Replicas, rng_for, slot_sums
+from .common import (
+    Assignment,
+    Candidate,
+    Inputs,
+    Replicas,
+    module_cv,
+    mountain_positions,
+    rng_for,
+    slot_sums,
+)
 from .encoder_sets import (
     lpt_bins,
     order_by_llm,
@@ -430,7 +439,7 @@ def _stragglers(rp: Replicas, scored, loads, keys, pick, best_key, price):
     for i, (e_eff, cl, sc, _) in enumerate(scored):
         ok = np.isfinite(sc)
         if ok.any():
-            ok &= (_module_cv(loads[i]) <= _STRAGGLER_CV * rc + 1e-12).all(axis=1)
+            ok &= (module_cv(loads[i]) <= _STRAGGLER_CV * rc + 1e-12).all(axis=1)
         if not ok.any():
             continue
         t = keys[i]
@@ -461,12 +470,6 @@ def _module_loads(rp: Replicas, eidx, lidx) -> np.ndarray:
     return np.concatenate(parts + [l_loads], axis=2)
 
 
-def _module_cv(loads: np.ndarray) -> np.ndarray:
-    """[R, K] per-microbatch CV of each module's ``loads`` [R, m, K] (:func:`_module_loads`)."""
-    mean = loads.mean(axis=1)
-    return np.where(mean > 0, loads.std(axis=1) / np.where(mean > 0, mean, 1.0), 0.0)
-
-
 def _empty_llm_set(lidx, valid, m) -> np.ndarray:
     """[R] whether a replica with at least m samples leaves an LLM set empty."""
     counts = slot_sums(lidx, np.ones(lidx.shape), valid & (lidx >= 0), m)
@@ -482,7 +485,6 @@ def _edges_light(eidx, lidx, valid, enc_w, llm, m, keep=None):
     the iteration, in the middle they are absorbed. Replicas that defer keep their order:
     a permutation could put a sample's LLM set before its encoder set.
     """
-    r_count = llm.shape[0]
     joint = ((eidx == lidx) | ~valid).all(axis=1)
     if keep is not None:
         joint &= ~keep
@@ -492,13 +494,7 @@ def _edges_light(eidx, lidx, valid, enc_w, llm, m, keep=None):
         float(llm[valid].mean()), 1e-30
     )
     load = slot_sums(lidx, tot, valid & (lidx >= 0), m)
-    # positions from the centre outwards: the heaviest microbatch gets the centre
-    centre = (m - 1) / 2
-    pos_order = np.argsort(np.abs(np.arange(m) - centre), kind="stable")
-    heavy_first = np.argsort(-load, axis=1, kind="stable")  # [R, m] old bin ids
-    newpos = np.empty((r_count, m), dtype=np.int64)
-    np.put_along_axis(newpos, heavy_first, np.broadcast_to(pos_order, (r_count, m)), axis=1)
-    remap = np.where(joint[:, None], newpos, np.arange(m)[None, :])
+    remap = np.where(joint[:, None], mountain_positions(load), np.arange(m)[None, :])
     e2 = np.where(valid, np.take_along_axis(remap, np.maximum(eidx, 0), axis=1), eidx)
     l2 = np.where(valid, np.take_along_axis(remap, np.maximum(lidx, 0), axis=1), lidx)
     return e2, l2

@@ -42,7 +42,7 @@ import numpy as np
 
 from .. import compiled
 from ..simulator import simulate_pipeline, topological_order
-from .common import DEFAULT_PIPELINE_STAGES, Replicas, slot_sums
+from .common import DEFAULT_PIPELINE_STAGES, Replicas, module_cv, slot_sums
 
 __all__ = [
     "UNKNOWN_DEPTHS",
@@ -386,7 +386,7 @@ def refine_by_pipeline(
     llm_v = np.where(valid, llm, 0.0)[..., None]
     mod = np.concatenate([_loads(eidx, mod_e, valid, m), _loads(lidx, llm_v, valid, m)], axis=2)
     mean = mod.mean(axis=1)  # [R, K]
-    cv0 = np.where(mean > 0, mod.std(axis=1) / np.where(mean > 0, mean, 1.0), 0.0)
+    cv0 = module_cv(mod)
     cv_lim = cv_limits(cv0, np.concatenate([mod_e, llm_v], axis=2), valid, m)
     ss_lim = m * mean**2 * (1 + cv_lim**2) * (1 + 1e-12)
     step = _round_numpy

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .common import Candidate, Replicas, slot_sums
+from .common import Candidate, Replicas, module_cv, mountain_positions, slot_sums
 from .encoder_sets import refine_vector
 from .llm_sets import fits_cap, llm_sets_fill, repair_joint
 from .pipeline_search import random_cut_cv
@@ -175,7 +175,8 @@ def coshaped_candidate(
     cols, weight = wv  # the first K columns are the modules of ``module_costs``, in order
     # how far each column follows: its random cut's CV (times 3/4) over the profile's
     spread = np.maximum(prof.std(axis=1), 1e-12)[:, None]  # [r, 1]
-    follow = np.clip(_COSHAPE_CV * random_cut_cv(cols[rows], sub.valid, m) / spread, 0.0, 1.0)
+    rc = random_cut_cv(cols[rows], sub.valid, m)  # [r, D]; its first K columns: the modules'
+    follow = np.clip(_COSHAPE_CV * rc / spread, 0.0, 1.0)
     np.put_along_axis(follow, driver[:, None], 1.0, axis=1)  # the driver's shape is forced
     prof_cols = 1.0 + follow[:, None, :] * (prof - 1.0)[..., None]  # [r, m, D]
     if rp.cap is not None:  # never aim a microbatch's tokens (the last column) past the cap
@@ -189,15 +190,7 @@ def coshaped_candidate(
     )
     joint = repair_joint(sub, joint, cols[rows], weight)
     # heaviest in the middle: 1F1B runs the first forward and the last backward alone
-    centre = (m - 1) / 2
-    pos_order = np.argsort(np.abs(np.arange(m) - centre), kind="stable")
-    newpos = np.empty(prof.shape, np.int64)
-    np.put_along_axis(
-        newpos,
-        np.argsort(-prof, axis=1, kind="stable"),
-        np.broadcast_to(pos_order, prof.shape),
-        axis=1,
-    )
+    newpos = mountain_positions(prof)
     joint = np.where(sub.valid, np.take_along_axis(newpos, np.maximum(joint, 0), axis=1), -1)
     prof_new = np.empty_like(prof_cols)
     np.put_along_axis(prof_new, newpos[..., None], prof_cols, axis=1)
@@ -205,10 +198,8 @@ def coshaped_candidate(
     eidx[rows] = joint
     # a module other than the driver less even than a random cut leaves it: not these sets
     # (a column near a count, every clip padded to 30 s, cannot follow a transcript's shape)
-    got = slot_sums(joint, cost[rows], sub.valid, m)  # [r, m, K]
-    mean = got.mean(axis=1)
-    cv = np.where(mean > 0, got.std(axis=1) / np.where(mean > 0, mean, 1.0), 0.0)
-    uneven = cv > random_cut_cv(cost[rows], sub.valid, m) + 1e-12
+    cv = module_cv(slot_sums(joint, cost[rows], sub.valid, m))  # [r, K]
+    uneven = cv > rc[:, : cost.shape[2]] + 1e-12
     np.put_along_axis(uneven, driver[:, None], False, axis=1)
     failed = np.ones(valid.shape[0], bool)
     failed[rows] = ~fits_cap(sub, joint) | uneven.any(axis=1)
