@@ -4,7 +4,7 @@ Balanced joint sets (E == L) weigh tokens as one column among several; a replica
 batch's longest transcripts could end one set above the token cap, and the whole candidate was
 lost on that replica, with it the fastest sets where the trainable encoder is most of the work.
 :func:`entrain_data.assignment.llm_sets.repair_joint` exchanges samples between the fullest set
-and the others, closest in work first.
+and the others, the exchange that moves the least work per overflow it removes first.
 """
 
 from __future__ import annotations
@@ -68,6 +68,23 @@ def test_replicas_that_fit_are_untouched_and_patch_caps_count():
     out = repair_joint(rp, bins, _work(rp))
     assert np.array_equal(out[0], bins[0])
     assert fits_cap(rp, out).all()
+
+
+def test_one_exchange_that_relieves_the_cap_beats_a_chain_of_slivers():
+    # set 0: 700 + 120 + 100 + 100 tokens, 20 over the cap. Set 1 holds a 60-token sample
+    # ("a") of nearly the 120's work (LLM work is not proportional to tokens); the other sets
+    # hold samples of 109-119 tokens, each a sliver lighter. Exchanging the 120 for "a" fits at
+    # once; ranked by work gap alone the repair traded 120 for 119, 119 for 118, ... through
+    # every set. It exchanges the one pair, and only those two samples change sets.
+    tok = np.array([700, 120, 100, 100, 60] + list(range(109, 120)))
+    llm = tok / 100.0
+    llm[4] = 1.1  # "a"
+    rp = _replicas(np.ones(16), llm, tok, 1, 4, 1000)
+    bins = np.repeat(np.arange(4), 4)[None, :]
+    out = repair_joint(rp, bins, _work(rp))
+    assert fits_cap(rp, out)[0]
+    moved = np.flatnonzero(out[0] != bins[0])
+    assert moved.tolist() == [1, 4], moved
 
 
 @settings(max_examples=40, deadline=None)

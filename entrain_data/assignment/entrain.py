@@ -501,10 +501,12 @@ def _edges_light(eidx, lidx, valid, enc_w, llm, m, keep=None):
 
 
 def _grouped(members: np.ndarray, slot: np.ndarray, count: int) -> list[np.ndarray]:
-    """Members grouped by slot (0..count-1), ascending sample order inside a group."""
-    order = np.lexsort((members, slot))
-    bounds = np.searchsorted(slot[order], np.arange(count + 1))
-    ms = members[order]
+    """Members (sample indices, >= 0) grouped by slot (0..count-1), ascending inside a group
+    (one integer key sorts in half the time of ``lexsort``'s two, and the bounds come from
+    the slot counts)."""
+    key = slot.astype(np.int64) * (int(members.max(initial=0)) + 1) + members
+    ms = members[np.argsort(key)]
+    bounds = [0, *np.bincount(slot, minlength=count).cumsum().tolist()]
     return [ms[bounds[k] : bounds[k + 1]] for k in range(count)]
 
 

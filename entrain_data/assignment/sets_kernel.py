@@ -473,6 +473,8 @@ def repair_rows(out, valid, size, limit, wn, rows, m):
                     for q in range(1, d):
                         g = (0.0 if alone else x[c_, q]) - x[a, q]
                         cost += g * g
+                    gain = over[h] - new_over
+                    cost = cost / (gain * gain)
                     if cost < best:
                         best = cost
                         bi = gi
