@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from entrain_data.assignment import assign, check_assignment
+from entrain_data.assignment import assign, check_assignment, stall_shed
 from entrain_data.assignment.common import Replicas
 from entrain_data.assignment.pipeline_search import (
     _CV_FLOOR,
@@ -188,6 +188,9 @@ def test_search_never_empties_an_llm_set(seed, dp, m, extra):
     a = assign(enc, llm, tok, dp=dp, microbatches=m, seed=seed)
     check_assignment(a, n, tok, None, None)
     assert all(len(a.llm_sets[r][j]) for r in range(dp) for j in range(m))
+    with pytest.MonkeyPatch.context() as mp:  # level 1 alone: no stalled replica gives work
+        mp.setattr(stall_shed, "_STALL", np.inf)
+        a = assign(enc, llm, tok, dp=dp, microbatches=m, seed=seed)
     counts = [sum(len(s) for s in a.llm_sets[r]) for r in range(dp)]
     assert max(counts) - min(counts) <= 1, counts  # level 1 keeps replica sizes within one
 

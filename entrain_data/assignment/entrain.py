@@ -44,6 +44,13 @@ stays within a stated slack of the sets' own (4% encoders, 10% LLM) or within 5%
 what a random equal-count cut would give, whichever is larger
 (:func:`.pipeline_search.cv_limits`).
 
+Level 1 evens the replicas' module sums, but a replica holding a sample several times a
+mean microbatch stalls 1F1B and runs longer than its sums say. After level 2 such a replica
+gives some of its other samples to the replicas with room (proxy time below the mean), its
+sets are rebuilt and the receivers put each sample in their lightest set; kept only where
+the slowest replica gets faster and every module's batch-wide CV stays within its limit
+(:mod:`.stall_shed`). Sample counts per replica may then differ.
+
 The levels live in modules of their own: :mod:`.replica_split` (level 1),
 :mod:`.encoder_sets` (E_j), :mod:`.llm_sets` (L_j) and :mod:`.pipeline_search`;
 this module builds the level-2 candidates, scores them and picks one per replica:
@@ -100,6 +107,7 @@ from .pipeline_search import (
 )
 from .replica_split import fit_caps, norm_columns, split_replicas
 from .shaping import coshaped_candidate, shaped_candidates
+from .stall_shed import shed_stalls
 
 # (ef, lf, lb) [R, n, S] of pipeline_search.stage_costs
 StageCosts = tuple[np.ndarray, np.ndarray, np.ndarray]
@@ -219,6 +227,15 @@ def _assign(x: Inputs, seed: int, iteration: int, tolerance: float):
     cands = _candidates(rp, tolerance, stage)
     eidx, lidx = _pick(cands, rp, stage)
     eidx, lidx = refine_slowest(rp, eidx, lidx, rng_for(seed, iteration, 2), stage)
+
+    def level2(members: np.ndarray, rows: np.ndarray):
+        rp2 = replicas_of(x, members)
+        stage2 = stage_costs(rp2)
+        sub, st = rp2.take(rows), tuple(s[rows] for s in stage2)
+        e, l_ = _pick(_candidates(sub, tolerance, st), sub, st)
+        return (rp2, stage2, *refine_slowest(sub, e, l_, rng_for(seed, iteration, 3), st))
+
+    rp, eidx, lidx, stage = shed_stalls(x, rp, eidx, lidx, stage, level2)
     a = _to_assignment("entrain", rp.members, rp.valid, eidx, lidx, x.dp, rp.m)
     return a, rp, eidx, lidx
 

@@ -1,0 +1,211 @@
+"""Level 1 revisited: a replica whose pipeline stalls gives work to the fastest ones.
+
+Level 1 evens every replica's per-module sums; that is the right goal only while a
+replica's time follows its sums. A sample several times a mean microbatch (a long
+transcript, a 2K page) stalls 1F1B wherever it sits: its microbatch holds up the stages
+around it, and the replica holding it runs far longer than one with the same sums
+(frozen ``common-voice-ps`` at 8192 / dp 128: 0.35 s against 0.27 s for the median
+replica, stage sums within 4%; at any of the 16 positions, the other microbatches made
+exactly even, 0.352-0.362 s). What it can give up is its other work: the replica's time
+fell by what it gave (0.0145 s per 10% of its other work), and the fastest replicas
+have room to take it.
+
+:func:`shed_stalls` runs after level 2 on the proxy pipeline's per-replica times: every
+replica slower than the mean by more than ``_STALL`` gives whole samples (none of its
+heavy ones: those stall wherever they go), largest first, as much proxy work on its
+busiest stage as it runs above the mean, each to the replica with the most room below
+the mean (and room under the caps). The givers' sets are built again (level 2); a
+receiver keeps its sets and puts each sample it takes into its lightest set that keeps
+the caps (E = L for it). The result is kept only where the slowest replica's proxy time
+falls and no module's per-microbatch CV over the whole batch rises past ``_CV_SHARE`` of
+a random equal-count cut's (or ``_CV_SLACK`` above its own): a replica that gives clips
+away runs lighter encoder microbatches, and though the encoder stages wait for the stall
+anyway, balance stays the contract. Otherwise half as much is given, then a quarter.
+Where every sample costs exactly the same on a module (padded speech) no cut is uneven there, so
+giving samples away always breaks that bound and nothing moves. Sample counts per
+replica then differ; every sample is still in one set of one replica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from .common import Inputs, Replicas, module_cv, slot_sums
+from .pipeline_search import proxy_times, random_cut_cv
+
+__all__ = ["shed_stalls"]
+
+_STALL = 0.05  # a replica this much slower than the mean (proxy time) gives work away
+_HEAVY = 0.5  # of a mean microbatch on its busiest stage: a sample that stays where it is
+_CAP_ROOM = 0.9  # a receiver's tokens (and patches) stay within this share of m caps
+_GAIN = 0.002  # kept only where the slowest replica is at least this much faster
+_CV_SHARE = 0.75  # and every module's batch-wide CV at most this share of a random cut's
+_CV_SLACK = 0.10  # (or this much above its own, where it is above that already)
+# shares of each stalled replica's excess given away, tried in turn (the first that is
+# faster within the CV limits is kept)
+_SHARES = (1.0, 0.5, 0.25)
+
+# (members, rows) -> (Replicas of members, their stage costs, eidx and lidx of ``rows``):
+# level 2 again on the replicas that gave work away
+Level2 = Callable[[np.ndarray, np.ndarray], tuple[Replicas, tuple, np.ndarray, np.ndarray]]
+
+
+def shed_stalls(
+    x: Inputs,
+    rp: Replicas,
+    eidx: np.ndarray,
+    lidx: np.ndarray,
+    stage: tuple[np.ndarray, np.ndarray, np.ndarray],
+    level2: Level2,
+) -> tuple[Replicas, np.ndarray, np.ndarray, tuple]:
+    """(rp, eidx, lidx, stage) with stalled replicas' work given away (see the module
+    docstring); the inputs unchanged where no replica stalls or giving does not pay.
+    ``level2(members, rows)`` rebuilds the replicas of a member matrix and the sets of the
+    replicas ``rows`` (the givers); a receiver keeps its sets and puts each sample it takes
+    into its lightest set that has room under the caps."""
+    same = (rp, eidx, lidx, stage)
+    r_count = rp.valid.shape[0]
+    if x.stages == 1 or r_count < 2:
+        return same
+    t = proxy_times(rp, eidx, lidx, stage)
+    target = float(t.mean())
+    slow = np.flatnonzero(t > target * (1 + _STALL))
+    if len(slow) == 0:
+        return same
+    loads0 = _set_loads(rp, eidx, lidx)
+    cv0 = module_cv(loads0.reshape(1, -1, loads0.shape[2]))[0]
+    flat = rp.module_costs[rp.valid][None]  # the whole batch as one replica of R * m sets
+    rc = random_cut_cv(flat, np.ones(flat.shape[:2], bool), rp.m * r_count)[0]
+    limit = np.maximum(cv0 * (1 + _CV_SLACK), _CV_SHARE * rc)
+    moves = _moves(x, rp, stage, t, target, slow)  # [k, 4]: giver, position, receiver, share
+    if len(moves) == 0:
+        return same
+    for share in _SHARES:
+        kept = moves[moves[:, 3] <= share]
+        if len(kept) == 0:
+            continue
+        members, givers = _apply(rp, kept)
+        wide = ((0, 0), (0, members.shape[1] - rp.members.shape[1]))  # receivers may grow
+        rp2, stage2, e_rows, l_rows = level2(members, givers)
+        e2 = np.pad(eidx, wide, constant_values=-1)
+        l2 = np.pad(lidx, wide, constant_values=-1)
+        e2[givers], l2[givers] = e_rows, l_rows
+        if not _insert(rp2, e2, l2):
+            continue
+        if proxy_times(rp2, e2, l2, stage2).max() > t.max() * (1 - _GAIN):
+            continue
+        loads = _set_loads(rp2, e2, l2)
+        if (module_cv(loads.reshape(1, -1, loads.shape[2]))[0] <= limit + 1e-12).all():
+            return rp2, e2, l2, stage2
+    return same
+
+
+def _moves(x, rp, stage, t, target, slow) -> np.ndarray:
+    """[k, 4] every stalled replica's samples to give, largest first (giver, position,
+    receiver, the share of the giver's excess given once this one is): all of the excess,
+    so that a smaller share is a prefix of each giver's moves."""
+    r_count, m = rp.valid.shape[0], rp.m
+    per = sum(stage)  # [R, n, S] forward + backward per proxy stage
+    sums = per.sum(axis=1)  # [R, S]
+    busiest = sums.argmax(axis=1)
+    cost = np.take_along_axis(per, busiest[:, None, None], axis=2)[..., 0]  # [R, n]
+    heavy = cost > _HEAVY * sums[np.arange(r_count), busiest][:, None] / m
+    room = np.maximum(target - t, 0.0)
+    room[slow] = 0.0
+    tok_room = None if x.max_tokens is None else _CAP_ROOM * m * x.max_tokens - rp.tok.sum(axis=1)
+    pt_room = None if x.patch_cap is None else _CAP_ROOM * m * x.patch_cap - rp.patches.sum(axis=1)
+    out = []
+    for r in slow[np.argsort(-t[slow], kind="stable")]:
+        excess = t[r] - target
+        need = excess
+        ok = rp.valid[r] & ~heavy[r]
+        spare = int(rp.valid[r].sum()) - m  # every L set keeps a sample
+        for i in np.flatnonzero(ok)[np.argsort(-cost[r][ok], kind="stable")]:
+            c = cost[r, i]
+            if spare <= 0:
+                break
+            if c > need:
+                continue  # a smaller one may still fit what is left to give
+            fits = room >= c
+            if tok_room is not None:
+                fits &= tok_room >= rp.tok[r, i]
+            if pt_room is not None:
+                fits &= (pt_room >= rp.patches[r, i][None, :]).all(axis=1)
+            if not fits.any():
+                continue
+            u = int(np.argmax(np.where(fits, room, -np.inf)))
+            room[u] -= c
+            if tok_room is not None:
+                tok_room[u] -= rp.tok[r, i]
+            if pt_room is not None:
+                pt_room[u] -= rp.patches[r, i]
+            need -= c
+            spare -= 1
+            out.append((r, i, u, 1.0 - need / excess))
+    return np.array(out).reshape(-1, 4)
+
+
+def _apply(rp: Replicas, moves: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(member matrix, givers) after ``moves``: a giver's members stay in place (pads where
+    it gave), a receiver's new ones follow its own (the matrix widens if needed)."""
+    r_count = rp.valid.shape[0]
+    giver, pos, recv = (moves[:, c].astype(np.int64) for c in range(3))
+    members = rp.members.copy()
+    taken = rp.members[giver, pos]
+    members[giver, pos] = -1
+    count = rp.valid.sum(axis=1) - np.bincount(giver, minlength=r_count)
+    count += np.bincount(recv, minlength=r_count)
+    out = np.full((r_count, max(int(count.max()), members.shape[1])), -1, np.int64)
+    out[:, : members.shape[1]] = members
+    for u in np.unique(recv):
+        new = taken[recv == u]
+        last = np.flatnonzero(rp.valid[u])
+        start = int(last.max()) + 1 if len(last) else 0
+        free = np.flatnonzero(out[u, start:] < 0)[: len(new)] + start
+        if len(free) < len(new):  # pads inside the row: the first free positions
+            free = np.flatnonzero(out[u] < 0)[: len(new)]
+        out[u, free] = new
+    return out, np.unique(giver)
+
+
+def _insert(rp: Replicas, eidx: np.ndarray, lidx: np.ndarray) -> bool:
+    """Put every member without a slot (``eidx`` < 0 where valid: a receiver's new samples)
+    into its replica's set lightest on the modules together (E = L, so the release rule
+    holds) that keeps the token and patch caps; in place. False where one does not fit."""
+    r_idx, pos = np.nonzero(rp.valid & (eidx < 0))
+    if len(r_idx) == 0:
+        return True
+    m = rp.m
+    cost = rp.module_costs
+    placed = rp.valid & (eidx >= 0)
+    unit = np.where(placed[..., None], cost, 0.0).sum(axis=(0, 1)) / (m * len(placed))
+    unit = np.where(unit > 0, unit, 1.0)
+    load = (
+        slot_sums(eidx, cost[..., :-1], placed, m).sum(axis=2) / unit[:-1].sum()
+        + slot_sums(lidx, cost[..., -1:], placed, m)[..., 0] / unit[-1]
+    )  # [R, m]
+    tok = slot_sums(lidx, rp.tok[..., None].astype(np.float64), placed, m)[..., 0]
+    pts = slot_sums(eidx, rp.patches.astype(np.float64), placed & rp.has_enc, m)  # [R, m, E]
+    for r, i in zip(r_idx, pos):
+        fits = np.ones(m, bool)
+        if rp.cap is not None:
+            fits &= tok[r] + rp.tok[r, i] <= rp.cap
+        if rp.patch_cap is not None and rp.has_enc[r, i]:
+            fits &= (pts[r] + rp.patches[r, i] <= rp.patch_cap + 0.5).all(axis=1)
+        if not fits.any():
+            return False
+        j = int(np.argmin(np.where(fits, load[r], np.inf)))
+        eidx[r, i] = lidx[r, i] = j
+        load[r, j] += cost[r, i, :-1].sum() / unit[:-1].sum() + cost[r, i, -1] / unit[-1]
+        tok[r, j] += rp.tok[r, i]
+        pts[r, j] += rp.patches[r, i]
+    return True
+
+
+def _set_loads(rp: Replicas, eidx: np.ndarray, lidx: np.ndarray) -> np.ndarray:
+    """[R, m, K] every module's load per set: encoders by E set, the LLM by L set."""
+    cost = rp.module_costs
+    enc = slot_sums(eidx, cost[..., :-1], rp.valid, rp.m)
+    return np.concatenate([enc, slot_sums(lidx, cost[..., -1:], rp.valid, rp.m)], axis=2)
