@@ -85,35 +85,11 @@ def test_every_sample_once_and_caps_kept_when_work_moves(seed, dp, m, monsters, 
     patches = (enc * 100).astype(np.int64)[:, None] + 1
     cap = int(max(tok.max(), 1.5 * tok.sum() / (dp * m)))
     pcap = int(max(patches.max(), 1.5 * patches.sum() / (dp * m)))
-    a = assign(
-        enc,
-        llm,
-        tok,
-        dp=dp,
-        microbatches=m,
-        max_tokens=cap,
-        encoder_patches=patches,
-        max_encoder_patches=pcap,
-        frozen_encoders=frozen,
-        pipeline_stages=4,
-        seed=seed,
-        iteration=1,
-    )
+    kw = dict(dp=dp, microbatches=m, max_tokens=cap, encoder_patches=patches)
+    kw.update(max_encoder_patches=pcap, frozen_encoders=frozen, pipeline_stages=4)
+    a = assign(enc, llm, tok, seed=seed, iteration=1, **kw)
     check_assignment(a, n, tok, cap, None, patches, np.array([pcap]))
-    b = assign(
-        enc,
-        llm,
-        tok,
-        dp=dp,
-        microbatches=m,
-        max_tokens=cap,
-        encoder_patches=patches,
-        max_encoder_patches=pcap,
-        frozen_encoders=frozen,
-        pipeline_stages=4,
-        seed=seed,
-        iteration=1,
-    )
+    b = assign(enc, llm, tok, seed=seed, iteration=1, **kw)
     assert a.to_dict() == b.to_dict()  # deterministic
 
 
