@@ -20,6 +20,7 @@ __all__ = [
     "rng_for",
     "slot_sums",
     "module_cv",
+    "module_loads",
     "mountain_positions",
     "DEFAULT_PIPELINE_STAGES",
 ]
@@ -154,6 +155,18 @@ class Candidate:
     lidx: np.ndarray  # [R, n] LLM microbatch, -1 pads
     failed: np.ndarray  # [R] bool
     profile: np.ndarray | None = None  # [R, m, K] intended load share per module (None: even)
+
+
+def module_loads(rp: Replicas, eidx: np.ndarray, lidx: np.ndarray) -> np.ndarray:
+    """[R, m, K] per-microbatch load of each module of :meth:`Replicas.module_costs` (the
+    encoders from the E sets, the LLM from the L sets)."""
+    m, valid = rp.m, rp.valid
+    e_loads = slot_sums(eidx, rp.enc_cols, valid & (eidx >= 0), m)
+    l_loads = slot_sums(lidx, rp.llm, valid & (lidx >= 0), m)[..., None]
+    parts = [e_loads]
+    if rp.encoders_together:  # as in Replicas.module_costs
+        parts.append(e_loads.sum(axis=2, keepdims=True))
+    return np.concatenate(parts + [l_loads], axis=2)
 
 
 def module_cv(loads: np.ndarray) -> np.ndarray:

@@ -78,6 +78,7 @@ from .common import (
     Inputs,
     Replicas,
     module_cv,
+    module_loads,
     mountain_positions,
     rng_for,
     slot_sums,
@@ -151,7 +152,7 @@ _SHAPE_GAIN = 0.003
 def _score(loads: np.ndarray, profile=None):
     """[R] how unbalanced a candidate is: the sum over modules (each encoder from E, the
     LLM from L) of the squared CV of per-microbatch load (``loads`` [R, m, K],
-    :func:`_module_loads`), plus the worst peak/mean as a small tie-break. Squared CVs
+    :func:`.common.module_loads`), plus the worst peak/mean as a small tie-break. Squared CVs
     favour candidates with no badly balanced module. A shaped candidate's loads are
     measured against its ``profile`` [R, m, K] (the shape it aims at). Also returns the
     worst encoder column's CV (encoder balance comes first)."""
@@ -355,7 +356,7 @@ def _pick(cands: list[Candidate], rp: Replicas, stage: StageCosts) -> tuple[np.n
     for c in cands:
         e_eff = np.where(has_enc, c.eidx, c.lidx)
         failed = c.failed | ~fits_patches(rp, e_eff)
-        loads.append(_module_loads(rp, e_eff, c.lidx))
+        loads.append(module_loads(rp, e_eff, c.lidx))
         sc, ecv = _score(loads[-1], c.profile)
         if enc_ref is None:  # the first candidate's encoder sets are LPT-tight: the reference
             enc_ref = np.where(failed, np.inf, ecv)
@@ -441,7 +442,7 @@ def _price(rp: Replicas, stage: StageCosts):
 
 def _stragglers(rp: Replicas, scored, loads, keys, pick, best_key, price):
     """[R] pick and price, revised where the slowest replicas can be faster (``price``: the
-    pick's, :func:`_price`; ``loads``: each candidate's :func:`_module_loads`).
+    pick's, :func:`_price`; ``loads``: each candidate's :func:`.common.module_loads`).
 
     The iteration lasts as long as its slowest replica, so balance first is right for
     every replica but those that set the time. The floor is the slowest replica's best
@@ -473,18 +474,6 @@ def _stragglers(rp: Replicas, scored, loads, keys, pick, best_key, price):
     slow = np.isfinite(best_key) & (best_key > floor * (1 + 1e-6))
     sw = slow & np.isfinite(by_score.min(axis=0))
     return np.where(sw, alt, pick), np.where(sw, times[alt, np.arange(len(pick))], best_key)
-
-
-def _module_loads(rp: Replicas, eidx, lidx) -> np.ndarray:
-    """[R, m, K] per-microbatch load of each module of :meth:`Replicas.module_costs` (the
-    encoders from the E sets, the LLM from the L sets)."""
-    m, valid = rp.m, rp.valid
-    e_loads = slot_sums(eidx, rp.enc_cols, valid & (eidx >= 0), m)
-    l_loads = slot_sums(lidx, rp.llm, valid & (lidx >= 0), m)[..., None]
-    parts = [e_loads]
-    if rp.encoders_together:  # as in Replicas.module_costs
-        parts.append(e_loads.sum(axis=2, keepdims=True))
-    return np.concatenate(parts + [l_loads], axis=2)
 
 
 def _empty_llm_set(lidx, valid, m) -> np.ndarray:

@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .common import Inputs, Replicas, module_cv, slot_sums
+from .common import Inputs, Replicas, module_cv, module_loads, slot_sums
 from .pipeline_search import proxy_times, random_cut_cv
 
 __all__ = ["shed_stalls"]
@@ -74,8 +74,7 @@ def shed_stalls(
     slow = np.flatnonzero(t > target * (1 + _STALL))
     if len(slow) == 0:
         return same
-    loads0 = _set_loads(rp, eidx, lidx)
-    cv0 = module_cv(loads0.reshape(1, -1, loads0.shape[2]))[0]
+    cv0 = _batch_cv(module_loads(rp, eidx, lidx))
     flat = rp.module_costs[rp.valid][None]  # the whole batch as one replica of R * m sets
     rc = random_cut_cv(flat, np.ones(flat.shape[:2], bool), rp.m * r_count)[0]
     limit = np.maximum(cv0 * (1 + _CV_SLACK), _CV_SHARE * rc)
@@ -96,8 +95,7 @@ def shed_stalls(
             continue
         if proxy_times(rp2, e2, l2, stage2).max() > t.max() * (1 - _GAIN):
             continue
-        loads = _set_loads(rp2, e2, l2)
-        if (module_cv(loads.reshape(1, -1, loads.shape[2]))[0] <= limit + 1e-12).all():
+        if (_batch_cv(module_loads(rp2, e2, l2)) <= limit + 1e-12).all():
             return rp2, e2, l2, stage2
     return same
 
@@ -204,8 +202,7 @@ def _insert(rp: Replicas, eidx: np.ndarray, lidx: np.ndarray) -> bool:
     return True
 
 
-def _set_loads(rp: Replicas, eidx: np.ndarray, lidx: np.ndarray) -> np.ndarray:
-    """[R, m, K] every module's load per set: encoders by E set, the LLM by L set."""
-    cost = rp.module_costs
-    enc = slot_sums(eidx, cost[..., :-1], rp.valid, rp.m)
-    return np.concatenate([enc, slot_sums(lidx, cost[..., -1:], rp.valid, rp.m)], axis=2)
+def _batch_cv(loads: np.ndarray) -> np.ndarray:
+    """[K] per-microbatch CV of every module over the whole batch (``loads`` [R, m, K], all
+    replicas' sets together, as ``metrics.microbatch_loads`` reports it)."""
+    return module_cv(loads.reshape(1, -1, loads.shape[2]))[0]
