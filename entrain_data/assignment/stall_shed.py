@@ -88,8 +88,9 @@ def shed_stalls(
         members, givers = _apply(rp, kept)
         wide = ((0, 0), (0, members.shape[1] - rp.members.shape[1]))  # receivers may grow
         rp2, stage2, e_rows, l_rows = level2(members, givers)
-        e2 = np.pad(eidx, wide, constant_values=-1)
-        l2 = np.pad(lidx, wide, constant_values=-1)
+        # a pad's slot may hold anything: -1, so that a receiver's new sample is inserted
+        e2 = np.pad(np.where(rp.valid, eidx, -1), wide, constant_values=-1)
+        l2 = np.pad(np.where(rp.valid, lidx, -1), wide, constant_values=-1)
         e2[givers], l2[givers] = e_rows, l_rows
         if not _insert(rp2, e2, l2):
             continue
