@@ -10,10 +10,12 @@ where the slowest replica is faster and no module's batch-wide CV passes its lim
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from entrain_data.assignment import assign, check_assignment, stall_shed
+from entrain_data.assignment import entrain as entrain_module
 from entrain_data.assignment.common import validate_inputs
 from entrain_data.assignment.entrain import assign_entrain_priced
 from entrain_data.metrics import microbatch_loads
@@ -101,3 +103,44 @@ def test_plain_data_parallelism_never_sheds():
     enc, llm, tok = _transcripts(rng, dp * m * 4, 2, dp, m)
     a = assign(enc, llm, tok, dp=dp, microbatches=m, pipeline_stages=1, seed=0, iteration=1)
     assert [sum(len(s) for s in row) for row in a.llm_sets] == [4 * m] * dp
+
+
+def _with_builds(seed, dp, m, monsters, size, frozen, early=True):
+    """(assignment as a dict, level-2 builds) with or without the checks that turn a share
+    away before its givers' sets are built."""
+    rng = np.random.default_rng(seed)
+    n = dp * m * 3 + int(rng.integers(0, dp))
+    enc, llm, tok = _transcripts(rng, n, monsters, dp, m, size)
+    builds = []
+    candidates = entrain_module._candidates
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(entrain_module, "_candidates", lambda *a: builds.append(1) or candidates(*a))
+        if not early:
+            mp.setattr(stall_shed, "_fails_early", lambda *a: False)
+        a = assign(
+            enc, llm, tok, dp=dp, microbatches=m, frozen_encoders=frozen, pipeline_stages=4,
+            seed=seed, iteration=1,
+        )  # fmt: skip
+    return a.to_dict(), len(builds) - 1  # the first build is level 2 itself
+
+
+def test_a_share_that_cannot_be_kept_costs_no_level_2():
+    # three stalled replicas, every share breaks the CV limit: 3 builds were thrown away
+    assert _with_builds(0, 16, 8, 3, 6.0, False, early=False)[1] == 3
+    assert _with_builds(0, 16, 8, 3, 6.0, False)[1] == 0
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    dp=st.sampled_from([8, 16, 32]),
+    m=st.sampled_from([8, 16]),
+    monsters=st.integers(1, 4),
+    size=st.sampled_from([2.0, 3.0, 4.0, 6.0]),
+    frozen=st.booleans(),
+)
+def test_the_early_checks_change_no_outcome(seed, dp, m, monsters, size, frozen):
+    early, builds = _with_builds(seed, dp, m, monsters, size, frozen)
+    late, late_builds = _with_builds(seed, dp, m, monsters, size, frozen, early=False)
+    assert early == late
+    assert builds <= late_builds

@@ -229,14 +229,14 @@ def _assign(x: Inputs, seed: int, iteration: int, tolerance: float):
     eidx, lidx = _pick(cands, rp, stage)
     eidx, lidx = refine_slowest(rp, eidx, lidx, rng_for(seed, iteration, 2), stage)
 
-    def level2(members: np.ndarray, rows: np.ndarray):
-        rp2 = replicas_of(x, members)
-        stage2 = stage_costs(rp2)
+    def level2(rp2: Replicas, stage2: StageCosts, rows: np.ndarray):
         sub, st = rp2.take(rows), tuple(s[rows] for s in stage2)
         e, l_ = _pick(_candidates(sub, tolerance, st), sub, st)
-        return (rp2, stage2, *refine_slowest(sub, e, l_, rng_for(seed, iteration, 3), st))
+        return refine_slowest(sub, e, l_, rng_for(seed, iteration, 3), st)
 
-    rp, eidx, lidx, stage = shed_stalls(x, rp, eidx, lidx, stage, level2)
+    rp, eidx, lidx, stage = shed_stalls(
+        x, rp, eidx, lidx, stage, lambda members: replicas_of(x, members), level2
+    )
     a = _to_assignment("entrain", rp.members, rp.valid, eidx, lidx, x.dp, rp.m)
     return a, rp, eidx, lidx
 

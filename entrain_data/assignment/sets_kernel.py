@@ -239,27 +239,6 @@ def vector_lpt(wn, order, valid, m, weight):
 
 
 @jit
-def _nth_smallest(values, k):
-    """The index at position ``k`` of a stable ascending argsort of ``values`` (ties by
-    index), without sorting: an argmin for ``k == 0``, a rank count otherwise."""
-    n = values.shape[0]
-    if k == 0:
-        best = 0
-        for j in range(1, n):
-            if values[j] < values[best]:
-                best = j
-        return best
-    for j in range(n):
-        rank = 0
-        for i in range(n):
-            if values[i] < values[j] or (values[i] == values[j] and i < j):
-                rank += 1
-        if rank == k:
-            return j
-    return n - 1
-
-
-@jit
 def _sort_by_key(items, keys, count):
     """Sort ``items[:count]`` (and ``keys[:count]`` with them) by ascending key, ties kept in
     their order, as a stable argsort does; insertion sort where few (no allocation)."""
@@ -296,27 +275,37 @@ def refine_vector_rows(slot, wn, dev, counts, m, iters, pair_items):
     key_h = np.empty(n)
     key_b = np.empty(n)
     u = np.empty(d)
+    by_opp = np.empty(m, np.int64)
     for r in range(r_count):
         tries = 0
+        h = 0
         for _ in range(iters):
             if tries >= m - 1:
                 break
-            for j in range(m):
-                acc = dev[r, j, 0] * dev[r, j, 0]
-                for q in range(1, d):
-                    acc = acc + dev[r, j, q] * dev[r, j, q]
-                obj[j] = acc
-            h = 0
-            for j in range(1, m):
-                if obj[j] > obj[h]:
-                    h = j
-            for j in range(m):
-                acc = dev[r, j, 0] * dev[r, h, 0]
-                for q in range(1, d):
-                    acc = acc + dev[r, j, q] * dev[r, h, q]
-                opp[j] = acc
-            opp[h] = np.inf
-            b = _nth_smallest(opp, min(tries, m - 2))
+            if tries == 0:  # the bins changed (or a new row): the worst bin and its opposites
+                for j in range(m):
+                    acc = dev[r, j, 0] * dev[r, j, 0]
+                    for q in range(1, d):
+                        acc = acc + dev[r, j, q] * dev[r, j, q]
+                    obj[j] = acc
+                h = 0
+                for j in range(1, m):
+                    if obj[j] > obj[h]:
+                        h = j
+                for j in range(m):
+                    acc = dev[r, j, 0] * dev[r, h, 0]
+                    for q in range(1, d):
+                        acc = acc + dev[r, j, q] * dev[r, h, q]
+                    opp[j] = acc
+                opp[h] = np.inf
+                b = 0
+                for j in range(1, m):
+                    if opp[j] < opp[b]:
+                        b = j
+            else:  # a pair that did not help changes nothing: the next most opposed bin
+                if tries == 1:
+                    by_opp[:] = np.argsort(opp, kind="mergesort")
+                b = by_opp[min(tries, m - 2)]
             for q in range(d):
                 u[q] = dev[r, h, q] - dev[r, b, q]
             nh = 0

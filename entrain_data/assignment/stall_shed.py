@@ -33,7 +33,7 @@ from collections.abc import Callable
 import numpy as np
 
 from .common import Inputs, Replicas, module_cv, module_loads, slot_sums
-from .pipeline_search import proxy_times, random_cut_cv
+from .pipeline_search import proxy_times, random_cut_cv, stage_costs
 
 __all__ = ["shed_stalls"]
 
@@ -47,9 +47,9 @@ _CV_SLACK = 0.10  # (or this much above its own, where it is above that already)
 # faster within the CV limits is kept)
 _SHARES = (1.0, 0.5, 0.25)
 
-# (members, rows) -> (Replicas of members, their stage costs, eidx and lidx of ``rows``):
+# (Replicas after the moves, their stage costs, rows) -> (eidx, lidx) of ``rows``:
 # level 2 again on the replicas that gave work away
-Level2 = Callable[[np.ndarray, np.ndarray], tuple[Replicas, tuple, np.ndarray, np.ndarray]]
+Level2 = Callable[[Replicas, tuple, np.ndarray], tuple[np.ndarray, np.ndarray]]
 
 
 def shed_stalls(
@@ -58,13 +58,16 @@ def shed_stalls(
     eidx: np.ndarray,
     lidx: np.ndarray,
     stage: tuple[np.ndarray, np.ndarray, np.ndarray],
+    replicas: Callable[[np.ndarray], Replicas],
     level2: Level2,
 ) -> tuple[Replicas, np.ndarray, np.ndarray, tuple]:
     """(rp, eidx, lidx, stage) with stalled replicas' work given away (see the module
     docstring); the inputs unchanged where no replica stalls or giving does not pay.
-    ``level2(members, rows)`` rebuilds the replicas of a member matrix and the sets of the
-    replicas ``rows`` (the givers); a receiver keeps its sets and puts each sample it takes
-    into its lightest set that has room under the caps."""
+    ``replicas(members)`` builds the replicas of a member matrix, ``level2(rp, stage, rows)``
+    the sets of its replicas ``rows`` (the givers); a receiver keeps its sets and puts each
+    sample it takes into its lightest set that has room under the caps. That and the
+    checks that do not wait for the givers' new sets come first (:func:`_fails_early`):
+    a share that cannot be kept costs no level 2."""
     same = (rp, eidx, lidx, stage)
     r_count = rp.valid.shape[0]
     if x.stages == 1 or r_count < 2:
@@ -86,19 +89,39 @@ def shed_stalls(
         if len(kept) == 0:
             continue
         members, givers = _apply(rp, kept)
+        rp2 = replicas(members)
         wide = ((0, 0), (0, members.shape[1] - rp.members.shape[1]))  # receivers may grow
-        rp2, stage2, e_rows, l_rows = level2(members, givers)
         # a pad's slot may hold anything: -1, so that a receiver's new sample is inserted
+        # (a giver's rows keep their slots here: only the receivers' new samples have none)
         e2 = np.pad(np.where(rp.valid, eidx, -1), wide, constant_values=-1)
         l2 = np.pad(np.where(rp.valid, lidx, -1), wide, constant_values=-1)
-        e2[givers], l2[givers] = e_rows, l_rows
         if not _insert(rp2, e2, l2):
             continue
+        stage2 = stage_costs(rp2)
+        if _fails_early(rp2, e2, l2, stage2, givers, t.max() * (1 - _GAIN), limit):
+            continue
+        e2[givers], l2[givers] = level2(rp2, stage2, givers)
         if proxy_times(rp2, e2, l2, stage2).max() > t.max() * (1 - _GAIN):
             continue
         if (_batch_cv(module_loads(rp2, e2, l2)) <= limit + 1e-12).all():
             return rp2, e2, l2, stage2
     return same
+
+
+def _fails_early(rp, eidx, lidx, stage, givers, bar, limit) -> bool:
+    """Whether the moves fail the checks whatever level 2 builds on the ``givers``, whose
+    rows in (eidx, lidx) still hold their old sets less what they gave: every other
+    replica's sets are final, so one of them slower than ``bar`` fails the time check;
+    and each module's batch CV is at least the one with every giver's sets made exactly
+    even (its sums are fixed, so is the batch mean; even sets add the least variance),
+    so that above ``limit`` fails the balance check."""
+    others = np.ones(rp.valid.shape[0], bool)
+    others[givers] = False
+    if (proxy_times(rp, eidx, lidx, stage)[others] > bar).any():
+        return True
+    loads = module_loads(rp, eidx, lidx)
+    loads[givers] = loads[givers].mean(axis=1, keepdims=True)
+    return bool((_batch_cv(loads) > limit * (1 + 1e-9) + 1e-12).any())
 
 
 def _moves(x, rp, stage, t, target, slow) -> np.ndarray:
@@ -181,25 +204,28 @@ def _insert(rp: Replicas, eidx: np.ndarray, lidx: np.ndarray) -> bool:
     placed = rp.valid & (eidx >= 0)
     unit = np.where(placed[..., None], cost, 0.0).sum(axis=(0, 1)) / (m * len(placed))
     unit = np.where(unit > 0, unit, 1.0)
+    # the receivers' set loads (row by row: the same sums as over every replica)
+    rows, local = np.unique(r_idx, return_inverse=True)
+    e_r, l_r, p_r, c_r = eidx[rows], lidx[rows], placed[rows], cost[rows]
     load = (
-        slot_sums(eidx, cost[..., :-1], placed, m).sum(axis=2) / unit[:-1].sum()
-        + slot_sums(lidx, cost[..., -1:], placed, m)[..., 0] / unit[-1]
-    )  # [R, m]
-    tok = slot_sums(lidx, rp.tok[..., None].astype(np.float64), placed, m)[..., 0]
-    pts = slot_sums(eidx, rp.patches.astype(np.float64), placed & rp.has_enc, m)  # [R, m, E]
-    for r, i in zip(r_idx, pos):
+        slot_sums(e_r, c_r[..., :-1], p_r, m).sum(axis=2) / unit[:-1].sum()
+        + slot_sums(l_r, c_r[..., -1:], p_r, m)[..., 0] / unit[-1]
+    )  # [receivers, m]
+    tok = slot_sums(l_r, rp.tok[rows, :, None].astype(np.float64), p_r, m)[..., 0]
+    pts = slot_sums(e_r, rp.patches[rows].astype(np.float64), p_r & rp.has_enc[rows], m)
+    for k, r, i in zip(local, r_idx, pos):
         fits = np.ones(m, bool)
         if rp.cap is not None:
-            fits &= tok[r] + rp.tok[r, i] <= rp.cap
+            fits &= tok[k] + rp.tok[r, i] <= rp.cap
         if rp.patch_cap is not None and rp.has_enc[r, i]:
-            fits &= (pts[r] + rp.patches[r, i] <= rp.patch_cap + 0.5).all(axis=1)
+            fits &= (pts[k] + rp.patches[r, i] <= rp.patch_cap + 0.5).all(axis=1)
         if not fits.any():
             return False
-        j = int(np.argmin(np.where(fits, load[r], np.inf)))
+        j = int(np.argmin(np.where(fits, load[k], np.inf)))
         eidx[r, i] = lidx[r, i] = j
-        load[r, j] += cost[r, i, :-1].sum() / unit[:-1].sum() + cost[r, i, -1] / unit[-1]
-        tok[r, j] += rp.tok[r, i]
-        pts[r, j] += rp.patches[r, i]
+        load[k, j] += cost[r, i, :-1].sum() / unit[:-1].sum() + cost[r, i, -1] / unit[-1]
+        tok[k, j] += rp.tok[r, i]
+        pts[k, j] += rp.patches[r, i]
     return True
 
 
