@@ -3,11 +3,14 @@
 The loader runs the assignment ahead of training, once per iteration, so it
 must stay far below an iteration (seconds). Costs come from the cost model on
 the qwen2vl-dynamic workload (Qwen2.5-VL ViT + Llama-3.2-1B; ``--workload`` and ``--model``
-choose others); the token cap, the encoder patch cap and the deferral budget follow the
-planner's rule.
+choose others, comma-separated lists or ``all``: every synthetic workload and the real tables
+of ../shared/data, the balance bench's models that can run it); the token cap, the
+encoder patch cap and the deferral budget follow the planner's rule.
 
     python bench/assign_latency.py                     # every method, B 512..65536
     python bench/assign_latency.py --methods entrain --batches 8192 --dps 128 --microbatches 16
+    python bench/assign_latency.py --methods entrain --batches 8192 --dps 128 --pp 4 \
+        --workload all --model all                     # the balance bench's rows
 
 Writes bench/results/assign_latency.json.
 """
@@ -24,32 +27,25 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import RESULTS, caps, model_costs, patch_caps  # noqa: E402
+from _common import DEFAULT_MODELS, MODELS, RESULTS, SHARED_DATA, caps, model_costs, patch_caps  # noqa: E402
 
 from entrain_data.assignment import CAP_AWARE, METHODS, PATCH_CAP_AWARE, assign  # noqa: E402
-from entrain_data.workloads import synthesize  # noqa: E402
+from entrain_data.real_workloads import list_real_workloads, real_workload  # noqa: E402
+from entrain_data.workloads import list_workloads, synthesize  # noqa: E402
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batches", default="512,2048,8192,32768,65536")
-    p.add_argument("--dps", default="4,32,128")
-    p.add_argument("--microbatches", type=int, default=16)
-    p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--workload", default="qwen2vl-dynamic")
-    p.add_argument("--model", default="vl-1b", help="a model of bench/_common.py's MODELS")
-    p.add_argument("--pp", type=int, default=None, help="pipeline_stages entrain is told")
-    args = p.parse_args(argv)
-    sizes = [int(b) for b in args.batches.split(",")]
-    table = synthesize(args.workload, max(sizes), seed=0)
-    costs = model_costs(args.model, table)
-    if costs is None:
-        p.error(f"model {args.model!r} has no encoder for {args.workload!r}'s media")
+def _table(name: str, samples: int):
+    """A synthetic workload of ``samples`` rows (seed 0), or ``real:NAME`` from ../shared/data."""
+    if name.startswith("real:"):
+        return real_workload(name[len("real:") :], SHARED_DATA)
+    return synthesize(name, samples, seed=0)
+
+
+def _measure(args, name: str, model: str, costs, sizes: list[int]) -> list[dict]:
+    """Median wall and CPU ms of every method, batch size and dp on one workload and model."""
     enc_all, llm_all, tok_all = costs.encoder_cost(), costs.llm_cost(), costs.llm_tokens
     pt_all = costs.encoder_tokens.astype(np.int64)
-    rows_out = []
-    print(f"{'method':22s} {'B':>6s} {'dp':>4s} {'M':>3s} {'wall ms':>9s} {'cpu ms':>8s}")
+    out = []
     for method in args.methods.split(","):
         for b in sizes:
             for dp in (int(d) for d in args.dps.split(",")):
@@ -58,7 +54,8 @@ def main(argv=None) -> int:
                     continue
                 if method in ("megatron_dp_balanced", "wlb_llm") and b > 8192:
                     continue  # per-sample Python loops, as the peers' own code: minutes at 64k
-                rows = np.random.default_rng(b + dp).choice(len(table), b, replace=False)
+                rng = np.random.default_rng(b + dp)
+                rows = rng.choice(len(enc_all), b, replace=len(enc_all) < b)  # real tables: small
                 enc, llm, tok, pt = enc_all[rows], llm_all[rows], tok_all[rows], pt_all[rows]
                 cap, budget = caps(tok, dp, m)
                 pcap = patch_caps(pt, dp, m) if method in PATCH_CAP_AWARE else None
@@ -71,6 +68,7 @@ def main(argv=None) -> int:
                     encoder_patches=pt,
                     max_encoder_patches=pcap,
                     pipeline_stages=args.pp,
+                    frozen_encoders=args.frozen_encoders,
                 )
                 wall, cpu = [], []
                 for it in range(args.repeats):
@@ -79,6 +77,8 @@ def main(argv=None) -> int:
                     wall.append(time.perf_counter() - t0)
                     cpu.append(time.process_time() - c0)
                 r = {
+                    "workload": name,
+                    "model": model,
                     "method": method,
                     "batch": b,
                     "dp": dp,
@@ -86,12 +86,50 @@ def main(argv=None) -> int:
                     "wall_ms_median": float(np.median(wall) * 1e3),
                     "cpu_ms_median": float(np.median(cpu) * 1e3),
                 }
-                rows_out.append(r)
+                out.append(r)
                 print(
-                    f"{method:22s} {b:6d} {dp:4d} {m:3d} {r['wall_ms_median']:9.1f} "
-                    f"{r['cpu_ms_median']:8.1f}",
+                    f"{name:24s} {model:11s} {method:22s} {b:6d} {dp:4d} {m:3d} "
+                    f"{r['wall_ms_median']:9.1f} {r['cpu_ms_median']:8.1f}",
                     flush=True,
                 )
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batches", default="512,2048,8192,32768,65536")
+    p.add_argument("--dps", default="4,32,128")
+    p.add_argument("--microbatches", type=int, default=16)
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--workload", default="qwen2vl-dynamic", help="names, comma-separated, or all")
+    p.add_argument(
+        "--model",
+        default="vl-1b",
+        help="of bench/_common.py's MODELS, or all (the balance bench's)",
+    )
+    p.add_argument("--pp", type=int, default=None, help="pipeline_stages entrain is told")
+    p.add_argument("--frozen-encoders", action="store_true", help="encoders run forward only")
+    args = p.parse_args(argv)
+    sizes = [int(b) for b in args.batches.split(",")]
+    real = [f"real:{n}" for n in list_real_workloads()] if SHARED_DATA.is_dir() else []
+    known = list(list_workloads()) + real
+    names = known if args.workload == "all" else args.workload.split(",")
+    models = list(DEFAULT_MODELS) if args.model == "all" else args.model.split(",")
+    unknown = [n for n in names if n not in known] + [m for m in models if m not in MODELS]
+    if unknown:
+        p.error(f"unknown workload or model {unknown} (real: ones need ../shared/data)")
+    rows_out = []
+    print(f"{'workload':24s} {'model':11s} {'method':22s} {'B':>6s} {'dp':>4s} {'M':>3s} "
+          f"{'wall ms':>9s} {'cpu ms':>8s}")  # fmt: skip
+    for name in names:
+        for model in models:
+            costs = model_costs(model, _table(name, max(sizes)), frozen=args.frozen_encoders)
+            if costs is None:
+                if len(models) == 1:
+                    p.error(f"model {model!r} has no encoder for {name!r}'s media")
+                continue
+            rows_out += _measure(args, name, model, costs, sizes)
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / "assign_latency.json"
     out.write_text(json.dumps({"setting": vars(args), "results": rows_out}, indent=1))
