@@ -33,6 +33,17 @@ def _transcripts(rng, n, monsters, dp, m, size=6.0):
     return enc, llm, tok
 
 
+# random batches of transcripts with a few monsters, for the property tests
+_BATCHES = dict(
+    seed=st.integers(0, 10_000),
+    dp=st.sampled_from([8, 16, 32]),
+    m=st.sampled_from([8, 16]),
+    monsters=st.integers(1, 4),
+    size=st.sampled_from([2.0, 3.0, 4.0, 6.0]),
+    frozen=st.booleans(),
+)
+
+
 def _priced(enc, llm, tok, dp, m):
     x = validate_inputs(enc, llm, tok, dp, m, None, None, frozen_encoders=True, pipeline_stages=4)
     return assign_entrain_priced(x, 0, 1)
@@ -72,14 +83,7 @@ def test_nothing_moves_where_no_replica_stalls(monkeypatch):
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    seed=st.integers(0, 10_000),
-    dp=st.sampled_from([8, 16, 32]),
-    m=st.sampled_from([8, 16]),
-    monsters=st.integers(1, 4),
-    size=st.sampled_from([2.0, 3.0, 4.0, 6.0]),
-    frozen=st.booleans(),
-)
+@given(**_BATCHES)
 # a receiver with pads: its new sample once kept a pad's stale set and broke the patch cap
 @example(seed=1717, dp=32, m=8, monsters=1, size=2.0, frozen=False)
 def test_every_sample_once_and_caps_kept_when_work_moves(seed, dp, m, monsters, size, frozen):
@@ -131,14 +135,7 @@ def test_a_share_that_cannot_be_kept_costs_no_level_2():
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    seed=st.integers(0, 10_000),
-    dp=st.sampled_from([8, 16, 32]),
-    m=st.sampled_from([8, 16]),
-    monsters=st.integers(1, 4),
-    size=st.sampled_from([2.0, 3.0, 4.0, 6.0]),
-    frozen=st.booleans(),
-)
+@given(**_BATCHES)
 def test_the_early_checks_change_no_outcome(seed, dp, m, monsters, size, frozen):
     early, builds = _with_builds(seed, dp, m, monsters, size, frozen)
     late, late_builds = _with_builds(seed, dp, m, monsters, size, frozen, early=False)
