@@ -123,8 +123,9 @@ def main(argv=None) -> int:
     print(f"{'workload':24s} {'model':11s} {'method':22s} {'B':>6s} {'dp':>4s} {'M':>3s} "
           f"{'wall ms':>9s} {'cpu ms':>8s}")  # fmt: skip
     for name in names:
+        table = _table(name, max(sizes))  # read or synthesised once, priced per model
         for model in models:
-            costs = model_costs(model, _table(name, max(sizes)), frozen=args.frozen_encoders)
+            costs = model_costs(model, table, frozen=args.frozen_encoders)
             if costs is None:
                 if len(models) == 1:
                     p.error(f"model {model!r} has no encoder for {name!r}'s media")

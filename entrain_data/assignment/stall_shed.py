@@ -84,6 +84,7 @@ def shed_stalls(
     moves = _moves(x, rp, stage, t, target, slow)  # [k, 4]: giver, position, receiver, share
     if len(moves) == 0:
         return same
+    bar = t.max() * (1 - _GAIN)  # the slowest replica's time the moves must beat
     for share in _SHARES:
         kept = moves[moves[:, 3] <= share]
         if len(kept) == 0:
@@ -98,10 +99,10 @@ def shed_stalls(
         if not _insert(rp2, e2, l2):
             continue
         stage2 = stage_costs(rp2)
-        if _fails_early(rp2, e2, l2, stage2, givers, t.max() * (1 - _GAIN), limit):
+        if _fails_early(rp2, e2, l2, stage2, givers, bar, limit):
             continue
         e2[givers], l2[givers] = level2(rp2, stage2, givers)
-        if proxy_times(rp2, e2, l2, stage2).max() > t.max() * (1 - _GAIN):
+        if proxy_times(rp2, e2, l2, stage2).max() > bar:
             continue
         if (_batch_cv(module_loads(rp2, e2, l2)) <= limit + 1e-12).all():
             return rp2, e2, l2, stage2
