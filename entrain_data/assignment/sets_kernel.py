@@ -262,10 +262,35 @@ def _sort_by_key(items, keys, count):
 
 
 @jit
+def _leave(mem, cnt, j, item):
+    """Remove ``item`` from bin ``j``'s ascending member list."""
+    k = 0
+    while mem[j, k] != item:
+        k += 1
+    for t in range(k, cnt[j] - 1):
+        mem[j, t] = mem[j, t + 1]
+    cnt[j] -= 1
+
+
+@jit
+def _join(mem, cnt, j, item):
+    """Insert ``item`` into bin ``j``'s ascending member list."""
+    k = cnt[j]
+    while k > 0 and mem[j, k - 1] > item:
+        mem[j, k] = mem[j, k - 1]
+        k -= 1
+    mem[j, k] = item
+    cnt[j] += 1
+
+
+@jit
 def refine_vector_rows(slot, wn, dev, counts, m, iters, pair_items):
     """The loop of :func:`.encoder_sets.refine_vector`, row by row; updates ``slot``,
-    ``dev`` and ``counts`` in place."""
+    ``dev`` and ``counts`` in place. Each bin's members are kept in an ascending list,
+    so a pair reads its two bins' items, not the row's."""
     r_count, n, d = wn.shape
+    mem = np.empty((m, n), np.int64)
+    cnt = np.zeros(m, np.int64)
     obj = np.empty(m)
     opp = np.empty(m)
     new_h = np.empty(d)
@@ -277,6 +302,12 @@ def refine_vector_rows(slot, wn, dev, counts, m, iters, pair_items):
     u = np.empty(d)
     by_opp = np.empty(m, np.int64)
     for r in range(r_count):
+        cnt[:] = 0
+        for i in range(n):
+            j = slot[r, i]
+            if j < m:  # slot m holds the padding
+                mem[j, cnt[j]] = i
+                cnt[j] += 1
         tries = 0
         h = 0
         for _ in range(iters):
@@ -308,21 +339,22 @@ def refine_vector_rows(slot, wn, dev, counts, m, iters, pair_items):
                 b = by_opp[min(tries, m - 2)]
             for q in range(d):
                 u[q] = dev[r, h, q] - dev[r, b, q]
-            nh = 0
-            nb = 0
-            for i in range(n):
-                if slot[r, i] == h or slot[r, i] == b:
-                    acc = wn[r, i, 0] * u[0]
-                    for q in range(1, d):
-                        acc = acc + wn[r, i, q] * u[q]
-                    if slot[r, i] == h:
-                        ih[nh] = i
-                        key_h[nh] = -acc
-                        nh += 1
-                    else:
-                        ib[nb] = i
-                        key_b[nb] = acc
-                        nb += 1
+            nh = cnt[h]
+            nb = cnt[b]
+            for t in range(nh):
+                i = mem[h, t]
+                acc = wn[r, i, 0] * u[0]
+                for q in range(1, d):
+                    acc = acc + wn[r, i, q] * u[q]
+                ih[t] = i
+                key_h[t] = -acc
+            for t in range(nb):
+                i = mem[b, t]
+                acc = wn[r, i, 0] * u[0]
+                for q in range(1, d):
+                    acc = acc + wn[r, i, q] * u[q]
+                ib[t] = i
+                key_b[t] = acc
             # the items whose leaving helps most first (stable: ties by index), at most pair_items
             _sort_by_key(ih, key_h, nh)
             _sort_by_key(ib, key_b, nb)
@@ -376,6 +408,12 @@ def refine_vector_rows(slot, wn, dev, counts, m, iters, pair_items):
                 slot[r, ib[by - 1]] = h
                 counts[r, b] -= 1
                 counts[r, h] += 1
+            if bx > 0:
+                _leave(mem, cnt, h, ih[bx - 1])
+                _join(mem, cnt, b, ih[bx - 1])
+            if by > 0:
+                _leave(mem, cnt, b, ib[by - 1])
+                _join(mem, cnt, h, ib[by - 1])
 
 
 @jit
