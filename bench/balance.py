@@ -40,11 +40,11 @@ microbatch that has work there (a kernel launch's fixed share), ``convex`` adds
 and heavy microbatches both cost more than the line, as the GPU runs' residuals show
 (bench/RESULTS.md, "On a GPU": +2-3% of a microbatch at the lightest and heaviest fifths),
 and the penalty stops growing half a mean microbatch from the mean, where those runs
-measured nothing (a quadratic there would charge a clip of 6x a mean microbatch 7.5 more:
-the cost model already holds attention's quadratic term). ``mean`` is the run's mean microbatch (the table's mean
-sample times the samples a microbatch holds), the same for every method and iteration: a
-GPU's efficiency curve does not move with the batch. A method whose lead lives in the cost
-model only loses it there.
+measured nothing (a quadratic there would charge a clip of 6x a mean microbatch 7.5 more;
+the cost model already holds attention's quadratic term). ``mean`` is the run's mean
+microbatch (the table's mean sample times the samples a microbatch holds), the same for
+every method and iteration: a GPU's efficiency curve does not move with the batch. A
+method whose lead lives in the cost model only loses it there.
 
 Writes bench/results/balance[-TAG].json and balance[-TAG].png.
 """

@@ -404,14 +404,12 @@ def refine_vector_rows(slot, wn, dev, counts, m, iters, pair_items):
                 slot[r, ih[bx - 1]] = b
                 counts[r, h] -= 1
                 counts[r, b] += 1
+                _leave(mem, cnt, h, ih[bx - 1])
+                _join(mem, cnt, b, ih[bx - 1])
             if by > 0:
                 slot[r, ib[by - 1]] = h
                 counts[r, b] -= 1
                 counts[r, h] += 1
-            if bx > 0:
-                _leave(mem, cnt, h, ih[bx - 1])
-                _join(mem, cnt, b, ih[bx - 1])
-            if by > 0:
                 _leave(mem, cnt, b, ib[by - 1])
                 _join(mem, cnt, h, ib[by - 1])
 
