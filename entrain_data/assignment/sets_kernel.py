@@ -284,6 +284,20 @@ def _join(mem, cnt, j, item):
 
 
 @jit
+def _project(members, count, wn, u, sign, items, keys):
+    """``items[:count]`` the bin's ``members`` (ascending), ``keys`` their projections
+    on ``u`` times ``sign``."""
+    d = u.shape[0]
+    for t in range(count):
+        i = members[t]
+        acc = wn[i, 0] * u[0]
+        for q in range(1, d):
+            acc = acc + wn[i, q] * u[q]
+        items[t] = i
+        keys[t] = sign * acc
+
+
+@jit
 def refine_vector_rows(slot, wn, dev, counts, m, iters, pair_items):
     """The loop of :func:`.encoder_sets.refine_vector`, row by row; updates ``slot``,
     ``dev`` and ``counts`` in place. Each bin's members are kept in an ascending list,
@@ -341,20 +355,8 @@ def refine_vector_rows(slot, wn, dev, counts, m, iters, pair_items):
                 u[q] = dev[r, h, q] - dev[r, b, q]
             nh = cnt[h]
             nb = cnt[b]
-            for t in range(nh):
-                i = mem[h, t]
-                acc = wn[r, i, 0] * u[0]
-                for q in range(1, d):
-                    acc = acc + wn[r, i, q] * u[q]
-                ih[t] = i
-                key_h[t] = -acc
-            for t in range(nb):
-                i = mem[b, t]
-                acc = wn[r, i, 0] * u[0]
-                for q in range(1, d):
-                    acc = acc + wn[r, i, q] * u[q]
-                ib[t] = i
-                key_b[t] = acc
+            _project(mem[h], nh, wn[r], u, -1.0, ih, key_h)
+            _project(mem[b], nb, wn[r], u, 1.0, ib, key_b)
             # the items whose leaving helps most first (stable: ties by index), at most pair_items
             _sort_by_key(ih, key_h, nh)
             _sort_by_key(ib, key_b, nb)
