@@ -38,7 +38,7 @@ sample that uses the stage, ``per-microbatch`` 10% of a mean microbatch's stage 
 microbatch that has work there (a kernel launch's fixed share), ``convex`` adds
 ``0.3 * mean * min((t / mean - 1)^2, 0.25)`` to each microbatch's stage time ``t``: light
 and heavy microbatches both cost more than the line, as the GPU runs' residuals show
-(bench/RESULTS.md, "On a GPU": +2-3% of a microbatch at the lightest and heaviest fifths),
+(bench/RESULTS.md, "On a GPU": +2-4% of a microbatch at the lightest and heaviest fifths),
 and the penalty stops growing half a mean microbatch from the mean, where those runs
 measured nothing (a quadratic there would charge a clip of 6x a mean microbatch 7.5 more;
 the cost model already holds attention's quadratic term). ``mean`` is the run's mean
