@@ -229,15 +229,13 @@ def refine_vector(
         on = on * root
     prof = prof if prof.ndim == 3 else prof[:, :, None]  # [R, m, 1] or per column [R, m, D]
     dev = slot_sums(slot, wn, valid, m) - prof * on  # [R, m, D]
-    counts = slot_sums(slot, np.ones((r_count, n)), valid, m)
     if compiled.enabled():
         from . import sets_kernel  # numba is imported with it
 
-        sets_kernel.refine_vector_rows(
-            slot, np.ascontiguousarray(wn), dev, counts, m, iters, _PAIR_ITEMS
-        )
+        sets_kernel.refine_vector_rows(slot, np.ascontiguousarray(wn), dev, m, iters, _PAIR_ITEMS)
         bins[:] = np.where(valid, slot, -1)
         return
+    counts = slot_sums(slot, np.ones((r_count, n)), valid, m)
     tries = np.zeros(r_count, dtype=np.int64)  # partners of the worst bin tried in vain
     for _ in range(iters):
         active = tries < m - 1

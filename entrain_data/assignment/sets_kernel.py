@@ -298,10 +298,10 @@ def _project(members, count, wn, u, sign, items, keys):
 
 
 @jit
-def refine_vector_rows(slot, wn, dev, counts, m, iters, pair_items):
-    """The loop of :func:`.encoder_sets.refine_vector`, row by row; updates ``slot``,
-    ``dev`` and ``counts`` in place. Each bin's members are kept in an ascending list,
-    so a pair reads its two bins' items, not the row's."""
+def refine_vector_rows(slot, wn, dev, m, iters, pair_items):
+    """The loop of :func:`.encoder_sets.refine_vector`, row by row; updates ``slot`` and
+    ``dev`` in place. Each bin's members are kept in an ascending list (their count is
+    the bin's size), so a pair reads its two bins' items, not the row's."""
     r_count, n, d = wn.shape
     mem = np.empty((m, n), np.int64)
     cnt = np.zeros(m, np.int64)
@@ -369,9 +369,9 @@ def refine_vector_rows(slot, wn, dev, counts, m, iters, pair_items):
                 for y in range(nb + 1):
                     if x == 0 and y == 0:
                         continue
-                    if y == 0 and counts[r, h] <= 1:
+                    if y == 0 and cnt[h] <= 1:
                         continue
-                    if x == 0 and counts[r, b] <= 1:
+                    if x == 0 and cnt[b] <= 1:
                         continue
                     acc_h = 0.0
                     acc_b = 0.0
@@ -404,14 +404,10 @@ def refine_vector_rows(slot, wn, dev, counts, m, iters, pair_items):
                 dev[r, b, q] = new_b[q]
             if bx > 0:
                 slot[r, ih[bx - 1]] = b
-                counts[r, h] -= 1
-                counts[r, b] += 1
                 _leave(mem, cnt, h, ih[bx - 1])
                 _join(mem, cnt, b, ih[bx - 1])
             if by > 0:
                 slot[r, ib[by - 1]] = h
-                counts[r, b] -= 1
-                counts[r, h] += 1
                 _leave(mem, cnt, b, ib[by - 1])
                 _join(mem, cnt, h, ib[by - 1])
 
