@@ -150,13 +150,34 @@ def test_max_delay_lands_heavy_samples_together_and_is_deterministic():
     assert 0 < heavy.sum() < dp * m
     assert set(a.carried.tolist()) == set(np.flatnonzero(heavy).tolist())
     assert a.to_dict() == assign(enc, llm, tok, **kw).to_dict()
-    # once one of them has waited K iterations, it lands now (with the others or alone)
+    # once one of them has waited K iterations, all of them land now: one kept back
+    # would force the next landing sooner
     ages = np.where(heavy, 1, 0)
     ages[np.flatnonzero(heavy)[0]] = 2
-    a2 = assign(enc, llm, tok, ages=ages, **kw)
-    placed = int(heavy.sum()) - len(a2.carried)
-    assert placed >= 1 and (placed % dp == 0 or len(a2.carried) == 0)
-    assert 2 not in set(ages[a2.carried].tolist())
+    assert len(assign(enc, llm, tok, ages=ages, **kw).carried) == 0
+
+
+def test_more_heavy_samples_than_microbatches_land_a_multiple_of_dp():
+    """Every iteration lands where heavy samples outnumber the microbatches: a multiple of dp
+    of them is placed, the lightest of the rest wait; once one has waited K, all land."""
+    from entrain_data.assignment.common import validate_inputs
+    from entrain_data.assignment.delay import delayed_samples
+
+    rng = np.random.default_rng(0)
+    b, dp, m = 256, 8, 4
+    llm = np.ones(b)
+    heavy = rng.permutation(b)[:45]  # 45 heavy (share 0.5) against 32 microbatches
+    llm[heavy] = rng.uniform(35, 45, len(heavy))
+    tok = (llm * 100).astype(np.int64)
+    enc = np.full((b, 1), 0.01)
+    x = validate_inputs(enc, llm, tok, dp, m, None, None, max_delay=2)
+    carried = delayed_samples(x, flush=False, share=0.5)
+    assert len(carried) == 45 % dp and set(carried) <= set(heavy)
+    assert llm[carried].max() <= np.sort(llm[heavy])[len(carried) - 1]  # the lightest wait
+    ages = np.zeros(b, np.int64)
+    ages[heavy[0]] = 2
+    forced = validate_inputs(enc, llm, tok, dp, m, None, None, max_delay=2, ages=ages)
+    assert len(delayed_samples(forced, flush=False, share=0.5)) == 0
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
