@@ -157,9 +157,9 @@ def test_max_delay_lands_heavy_samples_together_and_is_deterministic():
     assert len(assign(enc, llm, tok, ages=ages, **kw).carried) == 0
 
 
-def test_more_heavy_samples_than_microbatches_land_a_multiple_of_dp():
-    """Every iteration lands where heavy samples outnumber the microbatches: a multiple of dp
-    of them is placed, the lightest of the rest wait; once one has waited K, all land."""
+def test_more_heavy_samples_than_microbatches_land_as_many_in_every_microbatch():
+    """Every iteration lands where heavy samples outnumber the microbatches: a multiple of
+    their count is placed, the lightest of the rest wait; once one has waited K, all land."""
     from entrain_data.assignment.common import validate_inputs
     from entrain_data.assignment.delay import delayed_samples
 
@@ -172,7 +172,7 @@ def test_more_heavy_samples_than_microbatches_land_a_multiple_of_dp():
     enc = np.full((b, 1), 0.01)
     x = validate_inputs(enc, llm, tok, dp, m, None, None, max_delay=2)
     carried = delayed_samples(x, flush=False, share=0.5)
-    assert len(carried) == 45 % dp and set(carried) <= set(heavy)
+    assert len(carried) == 45 % (dp * m) and set(carried) <= set(heavy)
     assert llm[carried].max() <= np.sort(llm[heavy])[len(carried) - 1]  # the lightest wait
     ages = np.zeros(b, np.int64)
     ages[heavy[0]] = 2

@@ -19,8 +19,10 @@ Which samples may wait (:func:`delayed_samples`, one rule per share in ``SHARES`
   two iterations later instead of three), and every landing pays the stall of its
   heaviest sample again (frozen common-voice-ps at 512 / dp 4: landings at
   iterations 2, 3 and 6 of 8 where 2 and 5 suffice). Where there are more heavy
-  samples than microbatches every iteration lands: a multiple of dp of them is
-  placed (as many on every replica), the youngest and lightest of the rest wait;
+  samples than microbatches every iteration lands: a multiple of the microbatch
+  count is placed (as many in every microbatch; a multiple of dp left some
+  microbatches two, sroie-docs with frozen encoders at 8192 / dp 32 / 32 0.998 of
+  ``wlb_llm``, 1.004 so), the youngest and lightest of the rest wait;
 - ``flush`` (the last iteration of a run or epoch) places everything.
 
 Whether they wait (:func:`assign_delayed`) is priced, not assumed: waiting pays only
@@ -82,10 +84,11 @@ def delayed_samples(x: Inputs, flush: bool, share: float = HEAVY_SHARE) -> np.nd
         return idx
     if forced:  # all of them land now: one kept back would force the next landing sooner
         return none
-    # more heavy samples than microbatches: they land now, a multiple of dp of them (as
-    # many on every replica), the youngest and lightest of the rest wait (in this regime
-    # every iteration is a landing, so waiting moves no landing)
-    place = len(idx) - len(idx) % x.dp
+    # more heavy samples than microbatches: they land now, a multiple of the microbatch
+    # count (as many in every microbatch, as WLB-LLM's queue releases them), the youngest
+    # and lightest of the rest wait (in this regime every iteration is a landing, so
+    # waiting moves no landing)
+    place = len(idx) - len(idx) % bins
     w = np.concatenate([x.enc, x.llm[:, None]], axis=1)[idx]
     weight = (w / np.maximum(w.mean(axis=0), 1e-30)).sum(axis=1)
     order = np.lexsort((-weight, -x.ages[idx]))
