@@ -27,7 +27,10 @@ later, or two samples exchanging their (E, L) slots), drops the ones that break
 (:func:`cv_limits`), simulates the rest in one
 vectorised pass and keeps the best if it shortens the replica's proxy
 iteration. The proxy time of a replica therefore never grows, and no move may
-leave an LLM set empty.
+leave an LLM set empty. A replica holding a sample heavier than a mean microbatch
+(:func:`outliers`) is searched with more room: such a microbatch is heavy whatever
+the cut, and 1F1B runs it fastest with light work beside it and little at the edges,
+which the limits of a balanced replica forbid.
 
 An encoder that ``assign`` is told is frozen (``frozen_encoders``) has no backward:
 its whole cost runs with its encoder set, and deferring its samples costs the
@@ -69,6 +72,9 @@ _CV_SLACK = 0.04  # an encoder column's per-microbatch CV may grow by this share
 _LLM_CV_SLACK = 0.10  # the LLM's (the L sets')
 _CV_FLOOR = 0.002  # ... plus this much
 _RANDOM_SHARE = 0.05  # or up to this share of a random equal-count cut's CV (cv_limits)
+# on a module where the replica holds a sample heavier than a mean microbatch, this share
+# (the straggler rule's bound, entrain._STRAGGLER_CV): its sets are uneven whatever the cut
+_OUTLIER_SHARE = 0.75
 
 
 def proxy_stage_shares(
@@ -115,7 +121,9 @@ def proxy_stage_shares(
     return shares
 
 
-def cv_limits(cv0: np.ndarray, cost: np.ndarray, valid: np.ndarray, m: int) -> np.ndarray:
+def cv_limits(
+    cv0: np.ndarray, cost: np.ndarray, valid: np.ndarray, m: int, outlier: np.ndarray | None = None
+) -> np.ndarray:
     """[R, K] the per-microbatch CV each module may reach in the search: its start's CV plus
     a share (``_CV_SLACK``, ``_LLM_CV_SLACK`` for the LLM, the last column) and
     ``_CV_FLOOR``, or ``_RANDOM_SHARE`` of the CV a random equal-count cut of the replica's
@@ -127,10 +135,19 @@ def cv_limits(cv0: np.ndarray, cost: np.ndarray, valid: np.ndarray, m: int) -> n
     even ones. Measured against what fixed-count microbatches get in expectation, the
     allowance keeps every module's CV at least 1 / ``_RANDOM_SHARE`` times below theirs,
     and it is zero where every sample costs the same (nothing to gain by unbalancing).
+
+    Where ``outlier`` ([R, K], :func:`outliers`) marks a module on which the replica holds
+    a sample heavier than a mean microbatch, the share there is ``_OUTLIER_SHARE``: that
+    microbatch is heavy on the module whatever the cut, and 1F1B runs it fastest with the
+    light work in the microbatches beside it, little at the edges, rather than the rest
+    spread evenly (:func:`refine_by_pipeline`).
     """
     slack = np.full(cv0.shape[-1], _CV_SLACK)
     slack[-1] = _LLM_CV_SLACK
-    return np.maximum(cv0 * (1 + slack) + _CV_FLOOR, _RANDOM_SHARE * random_cut_cv(cost, valid, m))
+    share = np.full(cv0.shape, _RANDOM_SHARE)
+    if outlier is not None:
+        share[outlier] = _OUTLIER_SHARE
+    return np.maximum(cv0 * (1 + slack) + _CV_FLOOR, share * random_cut_cv(cost, valid, m))
 
 
 def random_cut_cv(cost: np.ndarray, valid: np.ndarray, m: int) -> np.ndarray:
@@ -144,6 +161,14 @@ def random_cut_cv(cost: np.ndarray, valid: np.ndarray, m: int) -> np.ndarray:
     rel = np.sqrt(var) / np.where(mean > 0, mean, 1.0)
     # a microbatch of n/m samples drawn without replacement: CV = rel * sqrt((1 - 1/m) m / n)
     return np.where(mean > 0, rel * np.sqrt((1 - 1 / m) * m / np.maximum(n, m)), 0.0)
+
+
+def outliers(cost: np.ndarray, m: int) -> np.ndarray:
+    """[R, K] whether a replica holds a sample heavier on module k than its mean microbatch
+    of that module (``cost`` [R, n, K], pads zero): that sample's microbatch is heavy there
+    whatever the cut."""
+    mean_mb = cost.sum(axis=1) / m
+    return cost.max(axis=1) > np.where(mean_mb > 0, mean_mb, np.inf)
 
 
 def _module_totals(enc_cols: np.ndarray, llm: np.ndarray, valid: np.ndarray) -> np.ndarray:
@@ -387,19 +412,26 @@ def refine_by_pipeline(
     mod = np.concatenate([_loads(eidx, mod_e, valid, m), _loads(lidx, llm_v, valid, m)], axis=2)
     mean = mod.mean(axis=1)  # [R, K]
     cv0 = module_cv(mod)
-    cv_lim = cv_limits(cv0, np.concatenate([mod_e, llm_v], axis=2), valid, m)
+    cost = np.concatenate([mod_e, llm_v], axis=2)  # [R, n, K]
+    outlier = outliers(cost, m)  # [R, K]
+    cv_lim = cv_limits(cv0, cost, valid, m, outlier)
     ss_lim = m * mean**2 * (1 + cv_lim**2) * (1 + 1e-12)
     step = _round_numpy
     if compiled.enabled():
         from .search_kernel import search_round as step  # numba is imported with it
     topo = _topo(m, fwd.shape[2])
+    # per replica: the token cap [R] and the patch cap [R, E]
     p_cap = np.zeros(p_samp.shape[2], np.int64) if pcap is None else np.asarray(pcap, np.int64)
+    p_cap = np.broadcast_to(p_cap, (r_count, p_samp.shape[2])).copy()
+    cap_r = np.full(r_count, cap_v, np.int64)
+    # a time refinement: it never raises the largest encoder set level 2 built (the
+    # activation-memory peak; the cap bounds level 2 itself), nor the largest LLM set where
+    # memory is capped, but on a replica holding an outlier it may fill sets up to the caps
+    even = ~outlier.any(axis=1)
     if pcap is not None and p_load.size:
-        # a time refinement: it never raises the largest encoder set level 2 built (the
-        # activation-memory peak), the cap bounds level 2 itself
-        p_cap = np.minimum(p_cap, p_load.max(axis=(0, 1)))
-    if cap is not None and t_load.size:  # nor the largest LLM set, where memory is capped
-        cap_v = min(cap_v, int(t_load.max()))
+        p_cap[even] = np.minimum(p_cap[even], p_load.max(axis=(0, 1)))
+    if cap is not None and t_load.size:
+        cap_r[even] = min(cap_v, int(t_load.max()))
     state = (fwd, bwd, mod, t_load, l_count, p_load, waiting, cur)
     per_sample = (eidx, lidx, has_enc, tok.astype(np.int64), wait_tok, p_samp, ef, lf, lb)
     idle = 0
@@ -416,7 +448,7 @@ def refine_by_pipeline(
         u = rng.random((r_count, k_count))
         moved = step(
             a, b, kind, u, *per_sample, mod_e, llm, *state,
-            ss_lim, cap_v, bud_v, p_cap, pcap is not None, budget is not None, topo,
+            ss_lim, cap_r, bud_v, p_cap, pcap is not None, budget is not None, topo,
         )  # fmt: skip
         if moved:
             idle = 0
@@ -465,7 +497,7 @@ def _round_numpy(
         (nb_l, 1, tb, moved_b),
     ):
         t_new[rk3, kk, idx_l.ravel()] += (sign * w * on).ravel()  # one slot per (r, k)
-    ok = changed & (t_new <= cap_v).all(axis=2)
+    ok = changed & (t_new <= cap_v[:, None, None]).all(axis=2)
     # no L set may become empty: a microbatch without LLM work has nothing to train
     c_new = np.broadcast_to(l_count[:, None, :], (r_count, k_count, m)).copy()
     for idx_l, sign, on in (
@@ -487,7 +519,7 @@ def _round_numpy(
         ):
             pv = p_samp[rk, s_idx] * (sign * on)[..., None]
             p_new[rk3, kk, idx_e.ravel()] += pv.reshape(-1, pv.shape[-1])
-        ok &= (p_new <= pcap).all(axis=(2, 3))
+        ok &= (p_new <= pcap[:, None, None, :]).all(axis=(2, 3))
     # deferral budget on the buffer after every boundary
     if use_budget:
         wa, wb = wait_tok[rk, a], wait_tok[rk, b]

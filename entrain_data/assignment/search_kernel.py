@@ -143,7 +143,7 @@ def search_round(
                 c_new[nb_l] += 1
             ok = True
             for j in range(m):
-                if t_new[j] > cap_v or c_new[j] < min(l_count[r, j], 1):
+                if t_new[j] > cap_v[r] or c_new[j] < min(l_count[r, j], 1):
                     ok = False
             if not ok:
                 continue
@@ -160,7 +160,7 @@ def search_round(
             if use_pcap:
                 for j in range(m):
                     for q in range(pe):
-                        if p_new[j, q] > pcap[q]:
+                        if p_new[j, q] > pcap[r, q]:
                             ok = False
                 if not ok:
                     continue
