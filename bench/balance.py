@@ -31,6 +31,7 @@ default), to measure a caller that does not pass the plan's.
     python bench/balance.py --frozen-encoders --tag frozen    # encoders forward only
     python bench/balance.py --pp 8 --proxy-stages 0 --tag pp8-untold
     python bench/balance.py --sim-cost convex --tag convex   # costs the methods do not see
+    python bench/balance.py --mixes --workloads mix:chat,mix:docs  # mixes of the real corpora
 
 ``--sim-cost`` runs the simulator on costs the assignment is not given (every method still
 assigns on the cost model's): ``per-sample`` adds 10% of a mean sample's stage cost to every
@@ -384,13 +385,18 @@ def main(argv=None) -> int:
     p.add_argument("--workloads", default="", help="comma-separated subset (default: all)")
     p.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"of {', '.join(MODELS)}")
     p.add_argument("--no-real", action="store_true", help="skip the real tables")
+    p.add_argument(
+        "--mixes",
+        action="store_true",
+        help="also mixes of the real corpora (_common.MIXES, rows mix:NAME)",
+    )
     p.add_argument("--tag", default="")
     p.add_argument(
         "--frozen-encoders", action="store_true", help="encoders run forward only (no backward)"
     )
     args = p.parse_args(argv)
     pool = max(args.batch * args.iterations * 2, 16384)
-    all_tables = tables(pool, args.seed, real=not args.no_real)
+    all_tables = tables(pool, args.seed, real=not args.no_real, mixes=args.mixes)
     wanted = [w for w in args.workloads.split(",") if w]
     RESULTS.mkdir(parents=True, exist_ok=True)
     suffix = f"-{args.tag}" if args.tag else ""

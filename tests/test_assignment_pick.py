@@ -108,7 +108,7 @@ def test_no_replica_ends_slower_than_its_picked_order(monkeypatch, seed):
     """The heaviest-in-the-middle reorder is a rule of thumb: on near-constant images with
     frozen encoders (seed 0: two replicas 0.6% and 1.5% slower by the proxy after reorder
     and search than the pick's own order, before this rule) a replica whose own order beats
-    the search from the reorder is searched from its own order too and keeps the faster."""
+    the search from the reorder keeps its own order."""
     import entrain_data.assignment.entrain as en
     from entrain_data.assignment.pipeline_search import proxy_times
 

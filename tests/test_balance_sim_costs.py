@@ -1,4 +1,5 @@
-"""bench/balance.py's ``--sim-cost``: the simulator's costs off the model the methods assign on.
+"""bench/balance.py's ``--sim-cost`` (the simulator's costs off the model the methods assign
+on) and ``--mixes`` (mixes of the real corpora).
 
 The perturbations must charge only work that exists (a stage a microbatch or sample does not
 use stays free), leave the linear run untouched, and penalise uneven microbatches in the
@@ -93,3 +94,16 @@ def test_per_sample_charges_only_the_samples_that_use_a_stage(balance):
     used = ef[:, 0] > 0
     np.testing.assert_allclose(got[0][used, 0] - ef[used, 0], 0.1 * ef[used, 0].mean())
     np.testing.assert_allclose(got[0][:, 1] - ef[:, 1], 0.1 * ef[:, 1].mean())
+
+
+def test_mixes_draw_every_corpus_in_its_share_with_unique_keys(balance, shared_data):
+    """``--mixes``: rows of several real corpora in the mix's shares, repeated rows renamed
+    (a table's keys are unique), shuffled."""
+    common = sys.modules["_common"]
+    mix = {"sroie-docs": 0.25, "llava-instruct": 0.75}
+    t = common.mixed_table(mix, 4000, seed=3)
+    assert len(t) == 4000 and len(set(t.keys)) == 4000
+    corpus = np.array([k.split("/")[0] for k in t.keys])
+    assert set(corpus) == {"sroie", "llava"} and (corpus == "sroie").sum() == 1000
+    assert any("#" in k for k in t.keys)  # SROIE has fewer than 1000 receipts: rows repeat
+    assert corpus[:1000].tolist() != sorted(corpus[:1000].tolist())  # shuffled

@@ -117,7 +117,6 @@ StageCosts = tuple[np.ndarray, np.ndarray, np.ndarray]
 __all__ = ["assign_entrain", "assign_entrain_priced", "split_replicas", "lpt_bins", "replicas_of"]
 
 _MOUNTAIN = True
-_OWN_SEARCHED = 4  # replicas that keep their picked order and are searched again, at most
 # candidates whose balance score is within this share of the best are ranked by proxy time
 _TIME_PICK_SLACK = 0.6
 _EDGE_WEIGHT = 0.05  # 1F1B fill/drain: a heavy first or last microbatch costs the whole pipe
@@ -253,30 +252,14 @@ def _level2(
     frozen encoders at 512 / dp 4: 2.3% by the proxy, 2.4% in the bench), but not always (a
     captions mix, COCO and LLaVA with frozen encoders at 512 / dp 4: the reorder cost 2% by
     the proxy, the search won back half, 0.999 of verl_kk). Where the own order beats the
-    search's result the replica keeps it, searched too where it is among the
-    ``_OWN_SEARCHED`` slowest replicas (searching every such replica added 7 ms an
-    assignment at 8192 / dp 128)."""
+    search's result the replica keeps its own order (searching it as well added 5-7 ms an
+    assignment at 8192 / dp 128 for 0.2% on that mix)."""
     eidx, lidx, keep = _pick(_candidates(rp, tolerance, stage), rp, stage)
     work = sum(s.sum(axis=2) for s in stage)  # [R, n] a sample's work on the proxy's stages
     e_m, l_m = _edges_light(eidx, lidx, rp.valid, work, rp.m, keep)
     e_s, l_s = refine_slowest(rp, e_m, l_m, rng, stage)
-    moved = ((e_m != eidx) | (l_m != lidx)).any(axis=1)
-    if not moved.any():
-        return e_s, l_s
-    t_s = proxy_times(rp, e_s, l_s, stage)
-    t_o = proxy_times(rp, eidx, lidx, stage)
-    won = moved & (t_o < t_s)
-    if not won.any():
-        return e_s, l_s
-    e_s, l_s = e_s.copy(), l_s.copy()
-    e_s[won], l_s[won] = eidx[won], lidx[won]
-    # searched where it can set the iteration: among the slowest replicas (a bounded cost)
-    slowest = np.argsort(-np.where(won, t_o, t_s), kind="stable")[:_OWN_SEARCHED]
-    rows = np.sort(slowest[won[slowest]])
-    if len(rows):
-        sub, st = rp.take(rows), tuple(s[rows] for s in stage)
-        e_s[rows], l_s[rows] = refine_slowest(sub, e_s[rows], l_s[rows], rng, st)
-    return e_s, l_s
+    won = proxy_times(rp, eidx, lidx, stage) < proxy_times(rp, e_s, l_s, stage)
+    return np.where(won[:, None], eidx, e_s), np.where(won[:, None], lidx, l_s)
 
 
 def _candidates(rp: Replicas, tolerance: float, stage: StageCosts) -> list[Candidate]:
