@@ -28,9 +28,9 @@ later, or two samples exchanging their (E, L) slots), drops the ones that break
 vectorised pass and keeps the best if it shortens the replica's proxy
 iteration. The proxy time of a replica therefore never grows, and no move may
 leave an LLM set empty. A replica holding a sample heavier than a mean microbatch
-(:func:`outliers`) is searched with more room: such a microbatch is heavy whatever
-the cut, and 1F1B runs it fastest with light work beside it and little at the edges,
-which the limits of a balanced replica forbid.
+(:func:`outliers`) is searched with more room where the plan's depth is told: such a
+microbatch is heavy whatever the cut, and 1F1B runs it fastest with light work beside
+it and little at the edges, which the limits of a balanced replica forbid.
 
 An encoder that ``assign`` is told is frozen (``frozen_encoders``) has no backward:
 its whole cost runs with its encoder set, and deferring its samples costs the
