@@ -17,9 +17,11 @@ the gradient's running RMS, so bf16 rounding of a small gradient becomes a
 relative difference of the step: bf16 alone moves the parameters 1.7e-3 from
 the fp32 run (same init, unbalanced, 3 steps at lr 1e-2), and the balanced
 bf16 run differs from the unbalanced one by about as much (1.5e-3 measured).
-The tolerance is 3x that rounding and 6x below what normalising per
-microbatch instead of per global batch costs (3.1e-2);
-``test_megatron_ddp_tolerance_has_teeth`` asserts both bounds.
+The tolerance is 3x that rounding and 5x below what normalising per
+microbatch instead of per global batch costs (2.5e-2; that cost follows how
+uneven the microbatches' token counts are, which the assignment decides: 3.1e-2
+before the eighteenth session's level-2 order); ``test_megatron_ddp_tolerance_has_teeth``
+asserts both bounds, the second with a 4x margin.
 """
 
 from __future__ import annotations
@@ -212,4 +214,4 @@ def test_megatron_ddp_tolerance_has_teeth() -> None:
         opt.zero_grad()
     want = reference_params_adam(STEPS)
     wrong = max(float((model.state_dict()[k] - want[k]).abs().max()) for k in want)
-    assert wrong > 5 * BF16_ADAM_ATOL, wrong
+    assert wrong > 4 * BF16_ADAM_ATOL, wrong
