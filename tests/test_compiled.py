@@ -56,14 +56,15 @@ def _same_sets(a, b) -> bool:
     caps=st.booleans(),
     budget=st.sampled_from([None, 0.5, 4.0]),
     frozen=st.booleans(),
+    told=st.sampled_from([None, 4]),
 )
-def test_assign_compiled_equals_numpy(seed, dp, m, per, e, caps, budget, frozen):
+def test_assign_compiled_equals_numpy(seed, dp, m, per, e, caps, budget, frozen, told):
     rng = np.random.default_rng(seed)
     b = dp * m + dp * per
     enc, llm, tok, pt = _batch(rng, b, e)
     mean_mb = tok.sum() / (dp * m)
     kw = dict(dp=dp, microbatches=m, seed=seed, iteration=seed % 5, encoder_patches=pt)
-    kw["frozen_encoders"] = frozen
+    kw.update(frozen_encoders=frozen, pipeline_stages=told)
     if caps:
         kw["max_tokens"] = int(max(tok.max(), 1.5 * mean_mb))
         pmean = pt.sum(axis=0) / (dp * m)
@@ -79,13 +80,15 @@ def test_assign_compiled_equals_numpy(seed, dp, m, per, e, caps, budget, frozen)
         )  # fmt: skip
 
 
+@pytest.mark.parametrize("told", [None, 4])
 @pytest.mark.parametrize(
     ("workload", "b", "dp", "m"),
     [("qwen2vl-dynamic", 2048, 64, 16), ("text-heavy", 1024, 8, 16), ("vision-audio", 512, 4, 32)],
 )
-def test_assign_compiled_equals_numpy_on_workloads(workload, b, dp, m):
+def test_assign_compiled_equals_numpy_on_workloads(workload, b, dp, m, told):
     """Real-shaped mixes under the cost model, including more replicas than the search
-    focuses on (64 > 32)."""
+    focuses on (64 > 32); told the depth, the search's per-replica room beside outliers
+    (``pipeline_search.outliers``) runs too."""
     encoders = ["qwen2.5-vl-vision", "whisper-large-v3-encoder"]
     costs = per_sample_costs(
         synthesize(workload, b, seed=3), ModelSpec.from_names(encoders, "llama-3.2-1b")
@@ -93,7 +96,7 @@ def test_assign_compiled_equals_numpy_on_workloads(workload, b, dp, m):
     enc, llm, tok = costs.encoder_cost(), costs.llm_cost(), costs.llm_tokens
     mean_mb = tok.sum() / (dp * m)
     kw = dict(dp=dp, microbatches=m, defer_budget=int(2 * mean_mb), iteration=1)
-    kw["max_tokens"] = int(max(tok.max(), 1.5 * mean_mb))
+    kw.update(max_tokens=int(max(tok.max(), 1.5 * mean_mb)), pipeline_stages=told)
     numpy_path, compiled = _both(lambda: assign(enc, llm, tok, **kw))
     assert _same_sets(numpy_path, compiled)
 
@@ -325,3 +328,32 @@ def test_joint_repair_compiled_equals_numpy(seed, m, e, patch_cap, twins, weight
     a, c = _both(lambda: repair_joint(rp, bins, work, weight))
     assert np.array_equal(a, c)
     assert fits_cap(rp, c).sum() >= fits_cap(rp, bins).sum()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_search_room_beside_an_outlier_compiled_equals_numpy(seed):
+    """The search's per-replica limits (a replica holding a sample heavier than a mean
+    microbatch may fill sets up to the caps, one without keeps level 2's largest set): the
+    kernel and the numpy round agree on a pair of replicas, one of each."""
+    from test_assignment_pipeline_search import _replicas
+
+    from entrain_data.assignment.pipeline_search import outliers, refine_by_pipeline
+
+    rng = np.random.default_rng(seed)
+    n, m = 40, 6
+    enc = np.stack([rng.lognormal(0, 0.8, n), rng.lognormal(0, 0.05, n)])[..., None]
+    enc[0, 0] = 3 * enc[0].sum() / m  # three mean microbatches
+    tok = np.rint(enc[..., 0] * 200).astype(np.int64) + 1
+    llm = tok * 1e-3
+    valid = np.ones((2, n), bool)
+    eidx = np.tile(np.arange(n) % m, (2, 1))
+    cost = np.concatenate([enc, llm[..., None]], axis=2)
+    assert outliers(cost, m).any(axis=1).tolist() == [True, False]
+    patches = np.rint(enc * 100).astype(np.int64)
+    rp = _replicas(valid, valid, enc, llm, tok, m, cap=10**9, patches=patches,
+                   patch_cap=np.array([10**9]))  # fmt: skip
+    peak = int(np.bincount(np.arange(2 * n) // n * m + eidx.ravel(), tok.ravel()).max())
+    runs = _both(lambda: refine_by_pipeline(rp, eidx, eidx, np.random.default_rng(seed), 64))
+    (e_np, l_np), (e_c, l_c) = runs
+    assert np.array_equal(e_np, e_c) and np.array_equal(l_np, l_c)
+    assert np.bincount(l_c[1], tok[1], m).max() <= peak  # no outlier: level 2's largest
