@@ -32,7 +32,7 @@ import numpy as np
 from .common import Candidate, Replicas, module_cv, mountain_positions, slot_sums
 from .encoder_sets import refine_vector
 from .llm_sets import fits_cap, llm_sets_fill, repair_joint
-from .pipeline_search import random_cut_cv
+from .pipeline_search import outliers, random_cut_cv
 
 __all__ = ["coshaped_candidate", "edge_shape", "shape_amplitudes", "shaped_candidates"]
 
@@ -68,8 +68,7 @@ def shape_amplitudes(rp: Replicas) -> tuple[np.ndarray, np.ndarray]:
     c = np.where(valid[..., None], cost, 0.0)
     used = c.sum(axis=1) > 0  # [R, K] modules with work on this replica
     rc = np.where(used, random_cut_cv(cost, valid, m), np.inf)
-    mean_mb = c.sum(axis=1) / m
-    outlier = (c.max(axis=1) > np.where(used, mean_mb, np.inf)).any(axis=1)
+    outlier = outliers(c, m).any(axis=1)
 
     def amplitude(rc_min: np.ndarray) -> np.ndarray:
         rc_min = np.where(np.isfinite(rc_min), rc_min, 0.0)
