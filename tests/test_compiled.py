@@ -357,3 +357,20 @@ def test_search_room_beside_an_outlier_compiled_equals_numpy(seed):
     (e_np, l_np), (e_c, l_c) = runs
     assert np.array_equal(e_np, e_c) and np.array_equal(l_np, l_c)
     assert np.bincount(l_c[1], tok[1], m).max() <= peak  # no outlier: level 2's largest
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fluid_profile_compiled_equals_numpy(seed):
+    """The light work's profile (``light_work.fluid_profile``): the compiled probes and the
+    numpy ones (which build the loads) give the same descent, share for share."""
+    from entrain_data.assignment.light_work import fluid_profile
+
+    rng = np.random.default_rng(seed)
+    r_count, m, s_count = 3, int(rng.integers(3, 20)), int(rng.integers(1, 6))
+    fh = np.zeros((r_count, m, s_count))
+    for r in range(r_count):
+        fh[r, rng.choice(m, 2, replace=False)] = rng.uniform(0.5, 3.0, (2, s_count))
+    fl = rng.uniform(1.0, 8.0, (r_count, s_count))
+    upper = rng.uniform(1.5 / m, 4.0 / m, (r_count, m))
+    (t_np, a_np), (t_c, a_c) = _both(lambda: fluid_profile(fh, 2 * fh, fl, 2 * fl, upper))
+    assert np.array_equal(t_np, t_c) and np.array_equal(a_np, a_c)

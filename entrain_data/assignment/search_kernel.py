@@ -19,7 +19,7 @@ import numpy as np
 
 from ..compiled import jit
 
-__all__ = ["recurrence", "search_round"]
+__all__ = ["fluid_times", "recurrence", "search_round"]
 
 
 @jit
@@ -62,6 +62,31 @@ def recurrence(fwd, bwd, topo):
     free = np.zeros(s_count)
     for r in range(r_count):
         out[r] = _simulate_one(fwd[r], bwd[r], topo, f_end, b_end, free)
+    return out
+
+
+@jit
+def fluid_times(fh, bh, fl, bl, shares, topo):
+    """[R, P] iteration times of the forward loads ``fh + share * fl`` and backward loads
+    ``bh + share * bl`` for every [R, P, M] share (``fh``, ``bh`` [R, M, S]; ``fl``, ``bl``
+    [R, S]): :func:`.light_work.fluid_profile`'s probes, without building the [R, P, M, S]
+    loads (numpy's path builds them, with the same products and sums)."""
+    r_count, p_count, m = shares.shape
+    s_count = fh.shape[2]
+    out = np.empty((r_count, p_count))
+    cf = np.empty((m, s_count))
+    cb = np.empty((m, s_count))
+    f_end = np.zeros((s_count, m))
+    b_end = np.zeros((s_count, m))
+    free = np.zeros(s_count)
+    for r in range(r_count):
+        for p in range(p_count):
+            for j in range(m):
+                a = shares[r, p, j]
+                for s in range(s_count):
+                    cf[j, s] = fh[r, j, s] + a * fl[r, s]
+                    cb[j, s] = bh[r, j, s] + a * bl[r, s]
+            out[r, p] = _simulate_one(cf, cb, topo, f_end, b_end, free)
     return out
 
 

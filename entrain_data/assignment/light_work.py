@@ -1,0 +1,227 @@
+"""The light work of a replica holding outliers, laid where the pipeline wants it.
+
+A replica holding a sample heavier than a mean microbatch (:func:`.pipeline_search.outliers`)
+cannot run even microbatches: that sample's microbatch is heavy whatever the cut, and 1F1B
+absorbs it only when the work around it is shaped to it. The shape is not the one a rule of
+thumb gives. On the bench's simulator a local search over whole-sample moves took such
+replicas 3.5-11% below entrain's sets (bench/RESULTS.md, eighteenth session), always to the
+same kind of profile: nearly nothing at the
+edges, the light work rising towards the heavy microbatches and falling after them, up to
+twice or four times a mean microbatch right beside them. The pipeline search's random moves
+reach part of it (a few samples at a time from balanced sets).
+
+Here the heavy samples (work on the proxy's stages above ``_HEAVY`` of a mean microbatch)
+keep their E and L microbatches, and the rest of the replica's work is treated as a fluid:
+the share of it each microbatch carries (the profile) is optimised on the proxy 1F1B
+pipeline itself (:func:`fluid_profile`: exchange descent on the slopes of the simulated
+time, every replica at once, each microbatch's share bounded so its tokens and patches
+stay under ``_CAP_AIM`` of the caps). The light samples are then dealt, heaviest first, to
+the microbatch furthest below its share that still fits the caps, as joint sets (E = L:
+their encoder output never waits). A replica takes the result only where its proxy time
+falls, the caps hold, no LLM set is empty and every module's per-microbatch CV stays within
+a random equal-count cut's (the co-shaped candidate's bound): the contract that no module
+ends less even than a cost-blind cut leaves it.
+
+The optimisation costs a few hundred simulated pipelines per replica, so it runs only on
+the slowest ``_FOCUS`` replicas with outliers whose proxy time is within ``_REACH`` of the
+slowest one (the iteration waits for the slowest; a replica further below stays below),
+and only where the plan's depth is told (untold, the proxy's depth is a guess, and a
+profile fitted to a guessed fill and drain is fitted to the wrong pipeline).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import compiled
+from .common import Replicas, module_cv, module_loads, slot_sums
+from .llm_sets import fits_patches
+from .pipeline_search import _pipeline_times, _topo, outliers, proxy_times, random_cut_cv
+
+__all__ = ["fluid_profile", "lay_light_work"]
+
+_HEAVY = 0.5  # a sample above this share of a mean microbatch's work keeps its slots
+_CAP_AIM = 0.9  # a microbatch's share aims its tokens and patches at most this near the caps
+_FOCUS = 8  # replicas laid out per call, at most (the slowest)
+_REACH = 0.06  # ... and only those within this share of the slowest replica's proxy time
+_STEPS = 32  # exchange steps of the profile's descent
+_SLOPE_STEP = 0.02  # finite-difference step, share of a mean microbatch's light work
+_PAIRS = 6  # moves tried per step: from each of the 6 best sources to each of the 6 best sinks
+_HALVINGS = 3  # a replica's descent stops when its slope step has halved this often
+_TRIES = np.array([1.0, 0.25, 0.0625])  # ... at these shares of the largest move
+
+
+def fluid_profile(
+    fh: np.ndarray, bh: np.ndarray, fl: np.ndarray, bl: np.ndarray, upper: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(time [R], share [R, m]): the share of the light work each microbatch carries that
+    minimises the 1F1B time of forward loads ``fh + share * fl`` and backward loads ``bh +
+    share * bl`` (``fh``, ``bh`` [R, m, S] the heavy samples' loads, ``fl``, ``bl`` [R, S]
+    the light work's totals), with ``0 <= share <= upper`` [R, m] and shares summing to 1
+    (where the bounds allow it), starting from even shares.
+
+    The time is a maximum of sums of loads linear in the shares (the longest path of the
+    schedule), so it is convex in them, but not smooth: slopes alone stall at its kinks
+    (measured: stuck above the start on a third of the replicas). Each step measures every
+    microbatch's slope (a small share added), tries moving share from each of the
+    ``_PAIRS`` microbatches where adding costs most to each of the ``_PAIRS`` where it
+    costs least, at a few sizes, and keeps the best move; a replica whose best move does
+    not help halves its slope step, and stops when that step has halved ``_HALVINGS``
+    times."""
+    r_count, m, s_count = fh.shape
+    topo = _topo(m, s_count)
+    share = np.minimum(np.full((r_count, m), 1.0 / m), upper)
+    room = np.minimum(upper - share, 1.0)
+    short = np.maximum(1.0 - share.sum(axis=1), 0.0)[:, None]
+    share = np.minimum(share + room * short / np.maximum(room.sum(axis=1), 1e-12)[:, None], upper)
+
+    def times(a: np.ndarray, g: np.ndarray) -> np.ndarray:  # rows g, [g, P, m] -> [g, P]
+        if compiled.enabled():
+            from .search_kernel import fluid_times  # numba is imported with it
+
+            return fluid_times(fh[g], bh[g], fl[g], bl[g], np.ascontiguousarray(a), topo)
+        p = a.shape[1]
+        f = fh[g, None] + a[..., None] * fl[g, None, None]
+        b = bh[g, None] + a[..., None] * bl[g, None, None]
+        shape = (len(g) * p, m, s_count)
+        return _pipeline_times(f.reshape(shape), b.reshape(shape), topo).reshape(len(g), p)
+
+    cur = times(share[:, None], np.arange(r_count))[:, 0]
+    step = np.full(r_count, _SLOPE_STEP / m)
+    k = min(_PAIRS, m)
+    eye = np.eye(m)
+    for _ in range(_STEPS):
+        g = np.flatnonzero(step >= _SLOPE_STEP / m / 2**_HALVINGS)
+        if len(g) == 0:
+            break
+        a, rows = share[g], np.arange(len(g))
+        d = step[g, None, None] * eye
+        probe = times(
+            np.concatenate([a[:, None] + d, a[:, None] - np.minimum(d, a[:, None])], 1), g
+        )
+        add = np.where(upper[g] - a > 1e-12, probe[:, :m], np.inf)
+        take = np.where(a > 1e-12, probe[:, m:], np.inf)
+        dst = np.tile(np.argsort(add, axis=1, kind="stable")[:, :k], (1, k))  # [g, k*k] pairs
+        src = np.repeat(np.argsort(take, axis=1, kind="stable")[:, :k], k, axis=1)
+        most = np.minimum(np.take_along_axis(a, src, 1), np.take_along_axis(upper[g] - a, dst, 1))
+        most = np.where(src == dst, 0.0, np.maximum(most, 0.0))
+        amount = (most[..., None] * _TRIES).reshape(len(g), -1)  # [g, k*k*T]
+        src, dst = np.repeat(src, len(_TRIES), axis=1), np.repeat(dst, len(_TRIES), axis=1)
+        moves = np.repeat(a[:, None], src.shape[1], axis=1)
+        at = np.arange(src.shape[1])[None, :]
+        moves[rows[:, None], at, src] -= amount
+        moves[rows[:, None], at, dst] += amount
+        got = times(np.maximum(moves, 0.0), g)
+        best = got.argmin(axis=1)
+        better = got[rows, best] < cur[g] * (1 - 1e-9)
+        share[g] = np.where(better[:, None], np.maximum(moves[rows, best], 0.0), a)
+        cur[g] = np.where(better, got[rows, best], cur[g])
+        step[g] = np.where(better, step[g], step[g] / 2)
+    return cur, share
+
+
+def lay_light_work(
+    rp: Replicas, eidx: np.ndarray, lidx: np.ndarray, stage: tuple[np.ndarray, ...]
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(eidx, lidx)`` with the light samples of the slowest replicas holding outliers
+    re-laid on their :func:`fluid_profile` where that shortens the replica's proxy
+    iteration within the caps and the CV bound (the module docstring); the other replicas
+    unchanged. ``stage``: the (ef, lf, lb) of :func:`.pipeline_search.stage_costs`."""
+    m = rp.m
+    if m < 3 or not rp.depth_known:
+        return eidx, lidx
+    cur = proxy_times(rp, eidx, lidx, stage)
+    cost = np.where(rp.valid[..., None], rp.module_costs, 0.0)
+    near = outliers(cost, m).any(axis=1) & (cur >= cur.max() * (1 - _REACH))
+    rows = np.flatnonzero(near)
+    if len(rows) == 0:
+        return eidx, lidx
+    rows = np.sort(rows[np.argsort(-cur[rows], kind="stable")[:_FOCUS]])
+    sub = rp.take(rows)
+    ef, lf, lb = (s[rows] for s in stage)
+    es, ls = eidx[rows], lidx[rows]
+    work = (ef + lf + lb).sum(axis=2)  # [r, n]
+    heavy = sub.valid & (work > _HEAVY * work.sum(axis=1, keepdims=True) / m)
+    light = sub.valid & ~heavy
+    fh = slot_sums(es, ef, heavy, m) + slot_sums(ls, lf, heavy, m)
+    bh = slot_sums(ls, lb, heavy, m)
+    lit = light[..., None]
+    fl = np.where(lit, ef + lf, 0.0).sum(axis=1)
+    bl = np.where(lit, lb, 0.0).sum(axis=1)
+    _, share = fluid_profile(fh, bh, fl, bl, _upper(sub, es, ls, heavy, light))
+    e2, l2 = _deal(sub, es, ls, work, light, share)
+    t2 = proxy_times(sub, e2, l2, (ef, lf, lb))
+    limit = random_cut_cv(sub.module_costs, sub.valid, m)
+    even = (module_cv(module_loads(sub, e2, l2)) <= limit + 1e-12).all(axis=1)
+    ok = (t2 < cur[rows] * (1 - 1e-9)) & _fits(sub, e2, l2) & even
+    eidx, lidx = eidx.copy(), lidx.copy()
+    eidx[rows] = np.where(ok[:, None], e2, es)
+    lidx[rows] = np.where(ok[:, None], l2, ls)
+    return eidx, lidx
+
+
+def _upper(sub: Replicas, es, ls, heavy, light) -> np.ndarray:
+    """[r, m] the largest share of the light work each microbatch may carry: its tokens
+    (with the heavy samples' in its L set) and its patches (with theirs in its E set) at
+    most ``_CAP_AIM`` of the caps; no bound without caps."""
+    m = sub.m
+    upper = np.full(es.shape[0:1] + (m,), np.inf)
+    if sub.cap is not None:
+        held = slot_sums(ls, sub.tok.astype(np.float64), heavy, m)
+        total = np.where(light, sub.tok, 0).sum(axis=1).astype(np.float64)
+        upper = (_CAP_AIM * sub.cap - held) / np.maximum(total, 1.0)[:, None]
+    if sub.patch_cap is not None:
+        pat = np.where(sub.has_enc[..., None], sub.patches, 0).astype(np.float64)
+        held = slot_sums(es, pat, heavy, m)  # [r, m, E]
+        total = np.where(light[..., None], pat, 0.0).sum(axis=1)  # [r, E]
+        room = (_CAP_AIM * sub.patch_cap - held) / np.maximum(total, 1.0)[:, None, :]
+        upper = np.minimum(upper, np.where(total[:, None, :] > 0, room, np.inf).min(axis=2))
+    return np.maximum(upper, 0.0)
+
+
+def _deal(sub: Replicas, es, ls, work, light, share) -> tuple[np.ndarray, np.ndarray]:
+    """The light samples, heaviest first, each into the microbatch furthest below its share
+    of the light work among those its tokens and patches fit (any where none fits: the caps
+    check then rejects the replica), E = L. Once only as many light samples are left as
+    microbatches without an LLM set, they go there: no LLM set may be empty."""
+    r_count, m = share.shape
+    rows = np.arange(r_count)
+    heavy = sub.valid & ~light
+    e2, l2 = np.where(light, -1, es), np.where(light, -1, ls)
+    target = share * np.where(light, work, 0.0).sum(axis=1, keepdims=True)
+    load = np.zeros((r_count, m))
+    tok = slot_sums(ls, sub.tok.astype(np.float64), heavy, m)
+    pat_s = np.where(sub.has_enc[..., None], sub.patches, 0).astype(np.float64)
+    pat = slot_sums(es, pat_s, heavy, m)  # [r, m, E]
+    count = slot_sums(ls, np.ones(ls.shape), heavy, m)
+    cap = np.inf if sub.cap is None else sub.cap
+    pcap = np.inf if sub.patch_cap is None else sub.patch_cap + 0.5
+    order = np.argsort(np.where(light, -work, np.inf), axis=1, kind="stable")
+    left = light.sum(axis=1)
+    for k in range(int(left.max(initial=0))):
+        act = k < left
+        s = order[:, k]
+        fit = (tok + sub.tok[rows, s, None] <= cap) & (pat + pat_s[rows, s, None, :] <= pcap).all(2)
+        empty = count < 0.5
+        must = (left - k <= empty.sum(axis=1))[:, None]
+        allowed = np.where(must, empty, fit)
+        allowed = np.where(allowed.any(axis=1, keepdims=True), allowed, True)
+        j = np.where(allowed, target - load, -np.inf).argmax(axis=1)
+        g = rows[act]
+        e2[g, s[act]] = l2[g, s[act]] = j[act]
+        load[g, j[act]] += work[g, s[act]]
+        tok[g, j[act]] += sub.tok[g, s[act]]
+        pat[g, j[act]] += pat_s[g, s[act]]
+        count[g, j[act]] += 1
+    return e2, l2
+
+
+def _fits(sub: Replicas, es, ls) -> np.ndarray:
+    """[r] every L set within the token cap, every E set within the patch caps, and no LLM
+    set empty where the replica has at least m samples."""
+    m = sub.m
+    ok = fits_patches(sub, es)
+    if sub.cap is not None:
+        ok &= (slot_sums(ls, sub.tok.astype(np.float64), sub.valid, m) <= sub.cap).all(axis=1)
+    counts = slot_sums(ls, np.ones(ls.shape), sub.valid, m)
+    return ok & ~((counts < 0.5).any(axis=1) & (sub.valid.sum(axis=1) >= m))
