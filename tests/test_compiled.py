@@ -374,3 +374,32 @@ def test_fluid_profile_compiled_equals_numpy(seed):
     upper = rng.uniform(1.5 / m, 4.0 / m, (r_count, m))
     (t_np, a_np), (t_c, a_c) = _both(lambda: fluid_profile(fh, 2 * fh, fl, 2 * fl, upper))
     assert np.array_equal(t_np, t_c) and np.array_equal(a_np, a_c)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_light_work_compiled_equals_numpy(seed):
+    """The light work laid on the fluid profile (``light_work.lay_light_work``: the compiled
+    probes and deal against numpy's), on batches where it moves samples, caps binding."""
+    from entrain_data.assignment import entrain as en
+
+    spec = ModelSpec.from_names(["qwen2.5-vl-vision"], "llama-3.2-1b")
+    costs = per_sample_costs(synthesize("qwen2vl-dynamic", 512, seed=seed), spec)
+    enc, llm, tok = costs.encoder_cost(), costs.llm_cost(), costs.llm_tokens
+    pt = costs.encoder_tokens.astype(np.int64)
+    dp, m = 4, 32
+    kw = dict(dp=dp, microbatches=m, seed=seed, pipeline_stages=4, encoder_patches=pt)
+    kw.update(max_tokens=int(max(tok.max(), 3 * tok.sum() / (dp * m))))
+    kw.update(max_encoder_patches=int(max(pt.max(), 3 * pt.sum() / (dp * m))))
+    moved = []
+    real = en.lay_light_work
+
+    def spy(rp, e, lo, stage):
+        e2, l2 = real(rp, e, lo, stage)
+        moved.append(int(((e2 != e) | (l2 != lo)).any(axis=1).sum()))
+        return e2, l2
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(en, "lay_light_work", spy)
+        numpy_path, compiled_path = _both(lambda: assign(enc, llm, tok, **kw))
+    assert _same_sets(numpy_path, compiled_path)
+    assert min(moved) > 0  # both runs laid some replica's light work out

@@ -198,14 +198,22 @@ def _deal(sub: Replicas, es, ls, work, light, share) -> tuple[np.ndarray, np.nda
     pat_s = np.where(sub.has_enc[..., None], sub.patches, 0).astype(np.float64)
     pat = slot_sums(es, pat_s, heavy, m)  # [r, m, E]
     count = slot_sums(ls, np.ones(ls.shape), heavy, m)
-    cap = np.inf if sub.cap is None else sub.cap
-    pcap = np.inf if sub.patch_cap is None else sub.patch_cap + 0.5
+    cap = np.inf if sub.cap is None else float(sub.cap)
+    pcap = np.full(pat.shape[2], np.inf) if sub.patch_cap is None else sub.patch_cap + 0.5
     order = np.argsort(np.where(light, -work, np.inf), axis=1, kind="stable")
     left = light.sum(axis=1)
+    tok_s = sub.tok.astype(np.float64)
+    if compiled.enabled():
+        from .search_kernel import deal_light  # numba is imported with it
+
+        slot = np.where(light, -1, es)
+        deal_light(order, left, work, tok_s, pat_s, target, load, tok, pat, count, cap,
+                   pcap.astype(np.float64), slot)  # fmt: skip
+        return slot, np.where(light, slot, ls)
     for k in range(int(left.max(initial=0))):
         act = k < left
         s = order[:, k]
-        fit = (tok + sub.tok[rows, s, None] <= cap) & (pat + pat_s[rows, s, None, :] <= pcap).all(2)
+        fit = (tok + tok_s[rows, s, None] <= cap) & (pat + pat_s[rows, s, None, :] <= pcap).all(2)
         empty = count < 0.5
         must = (left - k <= empty.sum(axis=1))[:, None]
         allowed = np.where(must, empty, fit)
@@ -214,7 +222,7 @@ def _deal(sub: Replicas, es, ls, work, light, share) -> tuple[np.ndarray, np.nda
         g = rows[act]
         e2[g, s[act]] = l2[g, s[act]] = j[act]
         load[g, j[act]] += work[g, s[act]]
-        tok[g, j[act]] += sub.tok[g, s[act]]
+        tok[g, j[act]] += tok_s[g, s[act]]
         pat[g, j[act]] += pat_s[g, s[act]]
         count[g, j[act]] += 1
     return e2, l2

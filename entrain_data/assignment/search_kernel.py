@@ -19,7 +19,7 @@ import numpy as np
 
 from ..compiled import jit
 
-__all__ = ["fluid_times", "recurrence", "search_round"]
+__all__ = ["deal_light", "fluid_times", "recurrence", "search_round"]
 
 
 @jit
@@ -88,6 +88,46 @@ def fluid_times(fh, bh, fl, bl, shares, topo):
                     cb[j, s] = bh[r, j, s] + a * bl[r, s]
             out[r, p] = _simulate_one(cf, cb, topo, f_end, b_end, free)
     return out
+
+
+@jit
+def deal_light(order, left, work, tok_s, pat_s, target, load, tok, pat, count, cap, pcap, slot):
+    """:func:`.light_work._deal`'s loop, replica by replica: every light sample (``order``
+    [R, n], the first ``left`` [R] of each row) into the allowed microbatch furthest below its
+    ``target`` share; ``load``, ``tok``, ``pat``, ``count`` and ``slot`` [R, n] updated in
+    place, in the numpy loop's order (so every sum rounds the same)."""
+    r_count, m = target.shape
+    pe = pat.shape[2]
+    allowed = np.empty(m, np.bool_)
+    for r in range(r_count):
+        for k in range(left[r]):
+            s = order[r, k]
+            empties = 0
+            for j in range(m):
+                if count[r, j] < 0.5:
+                    empties += 1
+            must = left[r] - k <= empties
+            any_ok = False
+            for j in range(m):
+                if must:
+                    ok = count[r, j] < 0.5
+                else:
+                    ok = tok[r, j] + tok_s[r, s] <= cap
+                    for e in range(pe):
+                        ok = ok and pat[r, j, e] + pat_s[r, s, e] <= pcap[e]
+                allowed[j] = ok
+                any_ok = any_ok or ok
+            best, best_gap = 0, -np.inf
+            for j in range(m):
+                gap = target[r, j] - load[r, j] if (allowed[j] or not any_ok) else -np.inf
+                if gap > best_gap:
+                    best, best_gap = j, gap
+            slot[r, s] = best
+            load[r, best] += work[r, s]
+            tok[r, best] += tok_s[r, s]
+            for e in range(pe):
+                pat[r, best, e] += pat_s[r, s, e]
+            count[r, best] += 1
 
 
 @jit
