@@ -267,7 +267,7 @@ def _level2(
     e_s, l_s = refine_slowest(rp, e_m, l_m, rng, stage)
     won = proxy_times(rp, eidx, lidx, stage) < proxy_times(rp, e_s, l_s, stage)
     eidx, lidx = np.where(won[:, None], eidx, e_s), np.where(won[:, None], lidx, l_s)
-    return lay_light_work(rp, eidx, lidx, stage)
+    return lay_light_work(rp, eidx, lidx, stage, rng)
 
 
 def _candidates(rp: Replicas, tolerance: float, stage: StageCosts) -> list[Candidate]:
