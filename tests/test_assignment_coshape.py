@@ -124,6 +124,7 @@ def test_the_search_uses_the_room_an_outlier_leaves(seed):
     and fill sets up to the caps (the light work beside the heavy microbatches, little at
     the edges). text-heavy at 512 / dp 4 / 32: 2-5% shorter simulated iterations than with
     the limits of balanced replicas, every cap held."""
+    from entrain_data.assignment import entrain as en
     from entrain_data.assignment import pipeline_search as ps
 
     b, dp, m = 512, 4, 32
@@ -140,8 +141,9 @@ def test_the_search_uses_the_room_an_outlier_leaves(seed):
         check_assignment(a, b, tok, cap, None, pt, pcap)
         return simulate_pipeline(*times_from_sample_costs(a, per_stage)).iteration_time
 
-    with_room = simulated()
-    with pytest.MonkeyPatch.context() as mp:
+    with pytest.MonkeyPatch.context() as mp:  # the room alone, not the light work's layout
+        mp.setattr(en, "lay_light_work", lambda rp, e, lo, stage, rng: (e, lo))
+        with_room = simulated()
         mp.setattr(ps, "outliers", lambda cost, m: np.zeros(cost.shape[::2], bool))
         without = simulated()
     assert with_room < 0.985 * without
