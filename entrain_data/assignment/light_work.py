@@ -5,10 +5,10 @@ cannot run even microbatches: that sample's microbatch is heavy whatever the cut
 absorbs it only when the work around it is shaped to it. The shape is not the one a rule of
 thumb gives. On the bench's simulator a local search over whole-sample moves took such
 replicas 3.5-11% below entrain's sets (bench/RESULTS.md, eighteenth session), always to the
-same kind of profile: nearly nothing at the
-edges, the light work rising towards the heavy microbatches and falling after them, up to
-twice or four times a mean microbatch right beside them. The pipeline search's random moves
-reach part of it (a few samples at a time from balanced sets).
+same kind of profile: nearly nothing at the edges, the light work rising towards the heavy
+microbatches and falling after them, up to two to four mean microbatches right beside them.
+The pipeline search's random moves reach part of it (a few samples at a time from balanced
+sets).
 
 Here the heavy samples (work on the proxy's stages above ``_HEAVY`` of a mean microbatch)
 keep their E and L microbatches, and the rest of the replica's work is treated as a fluid:
@@ -20,7 +20,9 @@ the microbatch furthest below its share that still fits the caps, as joint sets 
 their encoder output never waits). A replica takes the result only where its proxy time
 falls, the caps hold, no LLM set is empty and every module's per-microbatch CV stays within
 a random equal-count cut's (the co-shaped candidate's bound): the contract that no module
-ends less even than a cost-blind cut leaves it.
+ends less even than a cost-blind cut leaves it. The pipeline search then runs once more from
+there on those replicas (the heavy samples' slots were found for the old light work), the
+same bound held after it.
 
 The optimisation costs a few hundred simulated pipelines per replica, and the iteration
 waits for its slowest replica, so it runs on the slowest replicas only: at most ``_FOCUS``,
@@ -144,7 +146,7 @@ def lay_light_work(
     more on five rows, none less); the other replicas unchanged. ``stage``: the (ef, lf,
     lb) of :func:`.pipeline_search.stage_costs`."""
     m = rp.m
-    if m < 3 or not rp.depth_known:
+    if m < 3 or rp.stages < 2 or not rp.depth_known:  # one stage: no fill, no drain to shape
         return eidx, lidx
     cur = proxy_times(rp, eidx, lidx, stage)
     cost = np.where(rp.valid[..., None], rp.module_costs, 0.0)
