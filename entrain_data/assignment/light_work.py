@@ -74,11 +74,11 @@ def fluid_profile(
     The time is a maximum of sums of loads linear in the shares (the longest path of the
     schedule), so it is convex in them, but not smooth: slopes alone stall at its kinks
     (measured: stuck above the start on a third of the replicas). Each step measures every
-    microbatch's slope (a small share added), tries moving share from each of the
-    ``_PAIRS`` microbatches where adding costs most to each of the ``_PAIRS`` where it
-    costs least, at a few sizes, and keeps the best move; a replica whose best move does
-    not help halves its slope step, and stops when that step has halved ``_HALVINGS``
-    times."""
+    microbatch's slope both ways (a small share added, a small share removed; one way only
+    lost most of the gain), tries moving share from each of the ``_PAIRS`` microbatches
+    whose removal helps most to each of the ``_PAIRS`` whose addition costs least, at a few
+    sizes, and keeps the best move; a replica whose best move does not help halves its slope
+    step, and stops when that step has halved ``_HALVINGS`` times."""
     r_count, m, s_count = fh.shape
     topo = _topo(m, s_count)
     share = np.minimum(np.full((r_count, m), 1.0 / m), upper)
