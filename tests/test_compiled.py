@@ -379,7 +379,8 @@ def test_fluid_profile_compiled_equals_numpy(seed):
 @pytest.mark.parametrize("seed", range(3))
 def test_light_work_compiled_equals_numpy(seed):
     """The light work laid on the fluid profile (``light_work.lay_light_work``: the compiled
-    probes and deal against numpy's), on batches where it moves samples, caps binding."""
+    probes and deal against numpy's), on batches where it moves samples, under token and
+    patch caps of 3 mean microbatches."""
     from entrain_data.assignment import entrain as en
 
     spec = ModelSpec.from_names(["qwen2.5-vl-vision"], "llama-3.2-1b")

@@ -18,17 +18,20 @@ time, every replica at once, each microbatch's share bounded so its tokens and p
 stay under ``_CAP_AIM`` of the caps). The light samples are then dealt, heaviest first, to
 the microbatch furthest below its share that still fits the caps, as joint sets (E = L:
 their encoder output never waits). A replica takes the result only where its proxy time
-falls, the caps hold, no LLM set is empty and every module's per-microbatch CV stays within
+falls, the caps hold, no LLM set is empty (where it holds at least as many samples as
+microbatches) and every module's per-microbatch CV stays within
 a random equal-count cut's (the co-shaped candidate's bound): the contract that no module
 ends less even than a cost-blind cut leaves it. The pipeline search then runs once more from
 there on those replicas (the heavy samples' slots were found for the old light work), the
-same bound held after it.
+same bound and a proxy time no longer than the deal's held after it.
 
 The optimisation costs a few hundred simulated pipelines per replica, and the iteration
 waits for its slowest replica, so it runs on the slowest replicas only: at most ``_FOCUS``,
 down to the first one that holds no outlier, and not at all where the first replica left
 out runs within ``_ROOM`` of the slowest (the iteration could not get shorter by more; at
-8192 / dp 128 it cost 30-45 ms an assignment there for 0.1-0.5% on a few rows). It runs
+8192 / dp 128 it cost 30-45 ms an assignment there for 0.1-0.5% on a few rows). "Slowest" is
+among the replicas it is given: the stall shedding's level 2 of its givers gives it only
+those. It runs
 only where the plan's depth is told (untold, the proxy's depth is a guess, and a
 profile fitted to a guessed fill and drain is fitted to the wrong pipeline).
 """
@@ -58,7 +61,7 @@ _ROOM = 0.005  # nothing is laid out where the next slowest is within this share
 _STEPS = 32  # exchange steps of the profile's descent
 _SLOPE_STEP = 0.02  # finite-difference step, share of a mean microbatch's light work
 _PAIRS = 6  # moves tried per step: from each of the 6 best sources to each of the 6 best sinks
-_HALVINGS = 3  # a replica's descent stops when its slope step has halved this often
+_HALVINGS = 3  # a replica's descent stops once its slope step has halved more often than this
 _TRIES = np.array([1.0, 0.25, 0.0625])  # ... at these shares of the largest move
 
 
@@ -78,7 +81,7 @@ def fluid_profile(
     lost most of the gain), tries moving share from each of the ``_PAIRS`` microbatches
     whose removal helps most to each of the ``_PAIRS`` whose addition costs least, at a few
     sizes, and keeps the best move; a replica whose best move does not help halves its slope
-    step, and stops when that step has halved ``_HALVINGS`` times."""
+    step, and stops once that step has halved more than ``_HALVINGS`` times."""
     r_count, m, s_count = fh.shape
     topo = _topo(m, s_count)
     share = np.minimum(np.full((r_count, m), 1.0 / m), upper)
@@ -146,7 +149,8 @@ def lay_light_work(
     more on five rows, none less); the other replicas unchanged. ``stage``: the (ef, lf,
     lb) of :func:`.pipeline_search.stage_costs`."""
     m = rp.m
-    if m < 3 or rp.stages < 2 or not rp.depth_known:  # one stage: no fill, no drain to shape
+    # under 3 microbatches or on one stage there is no fill and drain to shape around
+    if m < 3 or rp.stages < 2 or not rp.depth_known:
         return eidx, lidx
     cur = proxy_times(rp, eidx, lidx, stage)
     cost = np.where(rp.valid[..., None], rp.module_costs, 0.0)
@@ -180,17 +184,21 @@ def lay_light_work(
     eidx, lidx = eidx.copy(), lidx.copy()
     sub = rp.take(taken)
     e_s, l_s = refine_by_pipeline(sub, e2[ok], l2[ok], rng)
-    # the search's CV limits follow its start: hold the random cut's bound after it too
-    even = (module_cv(module_loads(sub, e_s, l_s)) <= limit[ok] + 1e-12).all(axis=1)
-    eidx[taken] = np.where(even[:, None], e_s, e2[ok])
-    lidx[taken] = np.where(even[:, None], l_s, l2[ok])
+    # the search's CV limits follow its start, and it prices on its own replicas' stage
+    # layout: hold the random cut's bound and this call's proxy time after it too
+    st = (ef[ok], lf[ok], lb[ok])
+    keep = (module_cv(module_loads(sub, e_s, l_s)) <= limit[ok] + 1e-12).all(axis=1)
+    keep &= proxy_times(sub, e_s, l_s, st) <= t2[ok]
+    eidx[taken] = np.where(keep[:, None], e_s, e2[ok])
+    lidx[taken] = np.where(keep[:, None], l_s, l2[ok])
     return eidx, lidx
 
 
 def _upper(sub: Replicas, es, ls, heavy, light) -> np.ndarray:
     """[r, m] the largest share of the light work each microbatch may carry: its tokens
     (with the heavy samples' in its L set) and its patches (with theirs in its E set) at
-    most ``_CAP_AIM`` of the caps; no bound without caps."""
+    most ``_CAP_AIM`` of the caps if the light samples' tokens and patches follow their work
+    (they do not exactly: :func:`_fits` is what holds the caps); no bound without caps."""
     m = sub.m
     upper = np.full(es.shape[0:1] + (m,), np.inf)
     if sub.cap is not None:
