@@ -142,7 +142,7 @@ def test_the_search_uses_the_room_an_outlier_leaves(seed):
         return simulate_pipeline(*times_from_sample_costs(a, per_stage)).iteration_time
 
     with pytest.MonkeyPatch.context() as mp:  # the room alone, not the light work's layout
-        mp.setattr(en, "lay_light_work", lambda rp, e, lo, stage, rng: (e, lo))
+        mp.setattr(en, "lay_light_work", lambda rp, e, lo, stage, cur, rng: (e, lo))
         with_room = simulated()
         mp.setattr(ps, "outliers", lambda cost, m: np.zeros(cost.shape[::2], bool))
         without = simulated()

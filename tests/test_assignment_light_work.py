@@ -98,7 +98,7 @@ def test_outlier_batches_run_shorter_with_their_light_work_laid_out(seed):
 
     laid = simulated()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(en, "lay_light_work", lambda rp, e, lo, stage, rng: (e, lo))
+        mp.setattr(en, "lay_light_work", lambda rp, e, lo, stage, cur, rng: (e, lo))
         without = simulated()
     assert laid < 0.995 * without
 
@@ -109,7 +109,7 @@ def test_untold_depth_leaves_the_sets_alone():
     enc, llm, tok, caps, _, kw = _outlier_batch(0)
     untold = assign(enc, llm, tok, **caps, **kw)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(en, "lay_light_work", lambda rp, e, lo, stage, rng: (e, lo))
+        mp.setattr(en, "lay_light_work", lambda rp, e, lo, stage, cur, rng: (e, lo))
         without = assign(enc, llm, tok, **caps, **kw)
     for ra, rb in zip(
         untold.encoder_sets + untold.llm_sets, without.encoder_sets + without.llm_sets
@@ -129,8 +129,8 @@ def test_a_replica_takes_the_layout_only_where_it_is_faster_even_and_within_the_
     calls = []
     real = en.lay_light_work
 
-    def spy(rp, e, lo, stage, rng):
-        e2, l2 = real(rp, e, lo, stage, rng)
+    def spy(rp, e, lo, stage, cur, rng):
+        e2, l2 = real(rp, e, lo, stage, cur, rng)
         calls.append((rp, e, lo, e2, l2))
         return e2, l2
 
@@ -176,5 +176,7 @@ def test_without_outliers_nothing_moves():
     x = Inputs(enc[:, None], llm, tok, dp, m, max_tokens=None, defer_budget=None)
     rp = en.replicas_of(x, np.arange(n).reshape(dp, n // dp))
     eidx = np.tile(np.arange(n // dp) % m, (dp, 1))
-    e2, l2 = lay_light_work(rp, eidx, eidx, stage_costs(rp), np.random.default_rng(0))
+    stage = stage_costs(rp)
+    cur = proxy_times(rp, eidx, eidx, stage)
+    e2, l2 = lay_light_work(rp, eidx, eidx, stage, cur, np.random.default_rng(0))
     assert e2 is eidx and l2 is eidx

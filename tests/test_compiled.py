@@ -394,8 +394,8 @@ def test_light_work_compiled_equals_numpy(seed):
     moved = []
     real = en.lay_light_work
 
-    def spy(rp, e, lo, stage, rng):
-        e2, l2 = real(rp, e, lo, stage, rng)
+    def spy(rp, e, lo, stage, cur, rng):
+        e2, l2 = real(rp, e, lo, stage, cur, rng)
         moved.append(int(((e2 != e) | (l2 != lo)).any(axis=1).sum()))
         return e2, l2
 

@@ -99,6 +99,7 @@ from .encoder_sets import (
 )
 from .light_work import lay_light_work
 from .llm_sets import (
+    empty_llm_set,
     ffd_joint,
     fits_cap,
     fits_patches,
@@ -265,9 +266,10 @@ def _level2(
     work = sum(s.sum(axis=2) for s in stage)  # [R, n] a sample's work on the proxy's stages
     e_m, l_m = _edges_light(eidx, lidx, rp.valid, work, rp.m, keep)
     e_s, l_s = refine_slowest(rp, e_m, l_m, rng, stage)
-    won = proxy_times(rp, eidx, lidx, stage) < proxy_times(rp, e_s, l_s, stage)
+    t_pick, t_s = proxy_times(rp, eidx, lidx, stage), proxy_times(rp, e_s, l_s, stage)
+    won = t_pick < t_s
     eidx, lidx = np.where(won[:, None], eidx, e_s), np.where(won[:, None], lidx, l_s)
-    return lay_light_work(rp, eidx, lidx, stage, rng)
+    return lay_light_work(rp, eidx, lidx, stage, np.where(won, t_pick, t_s), rng)
 
 
 def _candidates(rp: Replicas, tolerance: float, stage: StageCosts) -> list[Candidate]:
@@ -392,7 +394,7 @@ def _pick(
         sc, ecv = _score(loads[-1], c.profile)
         if enc_ref is None:  # the first candidate's encoder sets are LPT-tight: the reference
             enc_ref = np.where(failed, np.inf, ecv)
-        failed |= _empty_llm_set(c.lidx, valid, m)
+        failed |= empty_llm_set(c.lidx, valid, m)
         scored.append((e_eff, c.lidx, np.where(failed, np.inf, sc), ecv))
         shaped.append(c.profile is not None)
     # the bands are relative to the best even candidate: a shaped one's score is measured
@@ -517,12 +519,6 @@ def _stragglers(rp: Replicas, scored, loads, keys, pick, best_key, price):
     slow = np.isfinite(best_key) & (best_key > floor * (1 + 1e-6))
     sw = slow & np.isfinite(by_score.min(axis=0))
     return np.where(sw, alt, pick), np.where(sw, times[alt, np.arange(len(pick))], best_key)
-
-
-def _empty_llm_set(lidx, valid, m) -> np.ndarray:
-    """[R] whether a replica with at least m samples leaves an LLM set empty."""
-    counts = slot_sums(lidx, np.ones(lidx.shape), valid & (lidx >= 0), m)
-    return (counts < 0.5).any(axis=1) & (valid.sum(axis=1) >= m)
 
 
 def _edges_light(eidx, lidx, valid, work, m, keep=None):

@@ -42,7 +42,7 @@ import numpy as np
 
 from .. import compiled
 from .common import Replicas, module_cv, module_loads, slot_sums
-from .llm_sets import fits_patches
+from .llm_sets import empty_llm_set, fits_patches, fits_tokens
 from .pipeline_search import (
     _pipeline_times,
     _topo,
@@ -139,6 +139,7 @@ def lay_light_work(
     eidx: np.ndarray,
     lidx: np.ndarray,
     stage: tuple[np.ndarray, ...],
+    cur: np.ndarray,
     rng: np.random.Generator,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(eidx, lidx)`` with the light samples of the slowest replicas holding outliers
@@ -147,12 +148,12 @@ def lay_light_work(
     more from there (:func:`.pipeline_search.refine_by_pipeline`, ``rng``'s draws: the heavy
     samples' slots were found for the old light work; measured at 512 / dp 4 / 32, 0.2-2%
     more on five rows, none less); the other replicas unchanged. ``stage``: the (ef, lf,
-    lb) of :func:`.pipeline_search.stage_costs`."""
+    lb) of :func:`.pipeline_search.stage_costs`; ``cur``: the proxy times [R] of ``(eidx,
+    lidx)`` on it (level 2 has them)."""
     m = rp.m
     # under 3 microbatches or on one stage there is no fill and drain to shape around
     if m < 3 or rp.stages < 2 or not rp.depth_known:
         return eidx, lidx
-    cur = proxy_times(rp, eidx, lidx, stage)
     cost = np.where(rp.valid[..., None], rp.module_costs, 0.0)
     slowest = np.argsort(-cur, kind="stable")
     held = outliers(cost, m).any(axis=1)[slowest]  # in that order
@@ -176,8 +177,8 @@ def lay_light_work(
     e2, l2 = _deal(sub, es, ls, work, light, share)
     t2 = proxy_times(sub, e2, l2, (ef, lf, lb))
     limit = random_cut_cv(sub.module_costs, sub.valid, m)
-    even = (module_cv(module_loads(sub, e2, l2)) <= limit + 1e-12).all(axis=1)
-    ok = (t2 < cur[rows] * (1 - 1e-9)) & _fits(sub, e2, l2) & even
+    fits = fits_tokens(sub, l2) & fits_patches(sub, e2) & ~empty_llm_set(l2, sub.valid, m)
+    ok = (t2 < cur[rows] * (1 - 1e-9)) & fits & _within(sub, e2, l2, limit)
     taken = rows[ok]
     if len(taken) == 0:
         return eidx, lidx
@@ -187,7 +188,7 @@ def lay_light_work(
     # the search's CV limits follow its start, and it prices on its own replicas' stage
     # layout: hold the random cut's bound and this call's proxy time after it too
     st = (ef[ok], lf[ok], lb[ok])
-    keep = (module_cv(module_loads(sub, e_s, l_s)) <= limit[ok] + 1e-12).all(axis=1)
+    keep = _within(sub, e_s, l_s, limit[ok])
     keep &= proxy_times(sub, e_s, l_s, st) <= t2[ok]
     eidx[taken] = np.where(keep[:, None], e_s, e2[ok])
     lidx[taken] = np.where(keep[:, None], l_s, l2[ok])
@@ -198,7 +199,7 @@ def _upper(sub: Replicas, es, ls, heavy, light) -> np.ndarray:
     """[r, m] the largest share of the light work each microbatch may carry: its tokens
     (with the heavy samples' in its L set) and its patches (with theirs in its E set) at
     most ``_CAP_AIM`` of the caps if the light samples' tokens and patches follow their work
-    (they do not exactly: :func:`_fits` is what holds the caps); no bound without caps."""
+    (they do not exactly: the check after the deal holds the caps); no bound without caps."""
     m = sub.m
     upper = np.full(es.shape[0:1] + (m,), np.inf)
     if sub.cap is not None:
@@ -206,7 +207,7 @@ def _upper(sub: Replicas, es, ls, heavy, light) -> np.ndarray:
         total = np.where(light, sub.tok, 0).sum(axis=1).astype(np.float64)
         upper = (_CAP_AIM * sub.cap - held) / np.maximum(total, 1.0)[:, None]
     if sub.patch_cap is not None:
-        pat = np.where(sub.has_enc[..., None], sub.patches, 0).astype(np.float64)
+        pat = _patch_sizes(sub)
         held = slot_sums(es, pat, heavy, m)  # [r, m, E]
         total = np.where(light[..., None], pat, 0.0).sum(axis=1)  # [r, E]
         room = (_CAP_AIM * sub.patch_cap - held) / np.maximum(total, 1.0)[:, None, :]
@@ -226,7 +227,7 @@ def _deal(sub: Replicas, es, ls, work, light, share) -> tuple[np.ndarray, np.nda
     target = share * np.where(light, work, 0.0).sum(axis=1, keepdims=True)
     load = np.zeros((r_count, m))
     tok = slot_sums(ls, sub.tok.astype(np.float64), heavy, m)
-    pat_s = np.where(sub.has_enc[..., None], sub.patches, 0).astype(np.float64)
+    pat_s = _patch_sizes(sub)
     pat = slot_sums(es, pat_s, heavy, m)  # [r, m, E]
     count = slot_sums(ls, np.ones(ls.shape), heavy, m)
     cap = np.inf if sub.cap is None else float(sub.cap)
@@ -259,12 +260,12 @@ def _deal(sub: Replicas, es, ls, work, light, share) -> tuple[np.ndarray, np.nda
     return e2, l2
 
 
-def _fits(sub: Replicas, es, ls) -> np.ndarray:
-    """[r] every L set within the token cap, every E set within the patch caps, and no LLM
-    set empty where the replica has at least m samples."""
-    m = sub.m
-    ok = fits_patches(sub, es)
-    if sub.cap is not None:
-        ok &= (slot_sums(ls, sub.tok.astype(np.float64), sub.valid, m) <= sub.cap).all(axis=1)
-    counts = slot_sums(ls, np.ones(ls.shape), sub.valid, m)
-    return ok & ~((counts < 0.5).any(axis=1) & (sub.valid.sum(axis=1) >= m))
+def _within(sub: Replicas, es, ls, limit) -> np.ndarray:
+    """[r] every module's per-microbatch CV of the sets within ``limit`` [r, K]."""
+    return (module_cv(module_loads(sub, es, ls)) <= limit + 1e-12).all(axis=1)
+
+
+def _patch_sizes(sub: Replicas) -> np.ndarray:
+    """[r, n, E] each sample's patches per encoder as floats (none where it has no encoder
+    work: it is never encoded)."""
+    return np.where(sub.has_enc[..., None], sub.patches, 0).astype(np.float64)

@@ -349,10 +349,20 @@ def _column_sum(a: np.ndarray) -> np.ndarray:
 def fits_cap(rp: Replicas, bins: np.ndarray) -> np.ndarray:
     """[R] whether joint sets ``bins`` (E == L) keep every set within the token cap and the
     patch cap."""
-    ok = np.ones(rp.llm.shape[0], bool)
-    if rp.cap is not None:
-        ok &= (slot_sums(bins, rp.tok.astype(np.float64), rp.valid, rp.m) <= rp.cap).all(axis=1)
-    return ok & fits_patches(rp, bins)
+    return fits_tokens(rp, bins) & fits_patches(rp, bins)
+
+
+def fits_tokens(rp: Replicas, lidx: np.ndarray) -> np.ndarray:
+    """[R] whether every LLM set ``lidx`` stays within the token cap."""
+    if rp.cap is None:
+        return np.ones(rp.llm.shape[0], bool)
+    return (slot_sums(lidx, rp.tok.astype(np.float64), rp.valid, rp.m) <= rp.cap).all(axis=1)
+
+
+def empty_llm_set(lidx: np.ndarray, valid: np.ndarray, m: int) -> np.ndarray:
+    """[R] whether a replica with at least m samples leaves an LLM set empty."""
+    counts = slot_sums(lidx, np.ones(lidx.shape), valid & (lidx >= 0), m)
+    return (counts < 0.5).any(axis=1) & (valid.sum(axis=1) >= m)
 
 
 def fits_patches(rp: Replicas, eidx: np.ndarray) -> np.ndarray:
