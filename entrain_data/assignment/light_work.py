@@ -46,7 +46,6 @@ from .llm_sets import empty_llm_set, fits_patches, fits_tokens
 from .pipeline_search import (
     _pipeline_times,
     _topo,
-    outliers,
     proxy_times,
     random_cut_cv,
     refine_by_pipeline,
@@ -56,23 +55,34 @@ __all__ = ["fluid_profile", "lay_light_work"]
 
 _HEAVY = 0.5  # a sample above this share of a mean microbatch's work keeps its slots
 _CAP_AIM = 0.9  # a microbatch's share aims its tokens and patches at most this near the caps
-_FOCUS = 8  # replicas laid out per call, at most: the slowest, down to one without outliers
+_FOCUS = 16  # replicas laid out per call, at most: the slowest
 _ROOM = 0.005  # nothing is laid out where the next slowest is within this share of the slowest
 _STEPS = 32  # exchange steps of the profile's descent
 _SLOPE_STEP = 0.02  # finite-difference step, share of a mean microbatch's light work
 _PAIRS = 6  # moves tried per step: from each of the 6 best sources to each of the 6 best sinks
 _HALVINGS = 3  # a replica's descent stops once its slope step has halved more often than this
 _TRIES = np.array([1.0, 0.25, 0.0625])  # ... at these shares of the largest move
+_CV_AIM = 0.9  # the profile's CVs aim at most this near a random cut's (the deal adds some)
+_BISECTIONS = 12
 
 
 def fluid_profile(
-    fh: np.ndarray, bh: np.ndarray, fl: np.ndarray, bl: np.ndarray, upper: np.ndarray
+    fh: np.ndarray,
+    bh: np.ndarray,
+    fl: np.ndarray,
+    bl: np.ndarray,
+    upper: np.ndarray,
+    start: np.ndarray | None = None,
+    spread: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(time [R], share [R, m]): the share of the light work each microbatch carries that
     minimises the 1F1B time of forward loads ``fh + share * fl`` and backward loads ``bh +
     share * bl`` (``fh``, ``bh`` [R, m, S] the heavy samples' loads, ``fl``, ``bl`` [R, S]
     the light work's totals), with ``0 <= share <= upper`` [R, m] and shares summing to 1
-    (where the bounds allow it), starting from even shares.
+    (where the bounds allow it), starting from even shares or ``start`` [R, m]. With
+    ``spread`` = (hk [R, m, K], lk [R, K], limit [R, K]) every module's per-microbatch CV of
+    the loads ``hk + share * lk`` stays within ``limit`` too (moves that leave it are not
+    taken: the start must be within it).
 
     The time is a maximum of sums of loads linear in the shares (the longest path of the
     schedule), so it is convex in them, but not smooth: slopes alone stall at its kinks
@@ -88,6 +98,8 @@ def fluid_profile(
     room = np.minimum(upper - share, 1.0)
     short = np.maximum(1.0 - share.sum(axis=1), 0.0)[:, None]
     share = np.minimum(share + room * short / np.maximum(room.sum(axis=1), 1e-12)[:, None], upper)
+    if start is not None:
+        share = start.copy()
 
     def times(a: np.ndarray, g: np.ndarray) -> np.ndarray:  # rows g, [g, P, m] -> [g, P]
         if compiled.enabled():
@@ -125,10 +137,15 @@ def fluid_profile(
         at = np.arange(src.shape[1])[None, :]
         moves[rows[:, None], at, src] -= amount
         moves[rows[:, None], at, dst] += amount
-        got = times(np.maximum(moves, 0.0), g)
+        moves = np.maximum(moves, 0.0)
+        got = times(moves, g)
+        if spread is not None:
+            hk, lk, limit = spread
+            cv = _fluid_cv(hk[g, None], lk[g, None], moves)  # [g, P, K]
+            got = np.where((cv <= limit[g, None] + 1e-12).all(axis=2), got, np.inf)
         best = got.argmin(axis=1)
         better = got[rows, best] < cur[g] * (1 - 1e-9)
-        share[g] = np.where(better[:, None], np.maximum(moves[rows, best], 0.0), a)
+        share[g] = np.where(better[:, None], moves[rows, best], a)
         cur[g] = np.where(better, got[rows, best], cur[g])
         step[g] = np.where(better, step[g], step[g] / 2)
     return cur, share
@@ -154,12 +171,10 @@ def lay_light_work(
     # under 3 microbatches or on one stage there is no fill and drain to shape around
     if m < 3 or rp.stages < 2 or not rp.depth_known:
         return eidx, lidx
-    cost = np.where(rp.valid[..., None], rp.module_costs, 0.0)
     slowest = np.argsort(-cur, kind="stable")
-    held = outliers(cost, m).any(axis=1)[slowest]  # in that order
-    count = min(_FOCUS, len(cur) if held.all() else int(np.argmin(held)))
+    count = min(_FOCUS, len(cur))
     ceiling = cur[slowest[count]] if count < len(cur) else 0.0  # the first one it cannot help
-    if count == 0 or ceiling >= cur.max() * (1 - _ROOM):
+    if ceiling >= cur.max() * (1 - _ROOM):
         return eidx, lidx
     rows = np.sort(slowest[:count])
     sub = rp.take(rows)
@@ -173,12 +188,29 @@ def lay_light_work(
     lit = light[..., None]
     fl = np.where(lit, ef + lf, 0.0).sum(axis=1)
     bl = np.where(lit, lb, 0.0).sum(axis=1)
-    _, share = fluid_profile(fh, bh, fl, bl, _upper(sub, es, ls, heavy, light))
-    e2, l2 = _deal(sub, es, ls, work, light, share)
-    t2 = proxy_times(sub, e2, l2, (ef, lf, lb))
+    upper = _upper(sub, es, ls, heavy, light)
+    _, free = fluid_profile(fh, bh, fl, bl, upper)
     limit = random_cut_cv(sub.module_costs, sub.valid, m)
-    fits = fits_tokens(sub, l2) & fits_patches(sub, e2) & ~empty_llm_set(l2, sub.valid, m)
-    ok = (t2 < cur[rows] * (1 - 1e-9)) & fits & _within(sub, e2, l2, limit)
+    hk = module_loads(sub, np.where(heavy, es, -1), np.where(heavy, ls, -1))
+    lk = np.where(lit, sub.module_costs, 0.0).sum(axis=1)
+    now = _shares_now(es, ls, ef, lf + lb, light)
+    aim = np.maximum(_CV_AIM * limit, _fluid_cv(hk, lk, now[:, None])[:, 0])
+    start = _towards(now, free, hk, lk, aim)
+    _, bounded = fluid_profile(fh, bh, fl, bl, np.maximum(upper, now), start, (hk, lk, aim))
+    # both profiles dealt: the free one's sets often end within the CV bound though the
+    # fluid's CVs were above its aim (heavy samples' microbatches), the bounded one's where not
+    e2, l2, t2, ok = None, None, None, np.zeros(len(rows), dtype=bool)
+    for share in (free, bounded):
+        e_d, l_d = _deal(sub, es, ls, work, light, share)
+        t_d = proxy_times(sub, e_d, l_d, (ef, lf, lb))
+        fits = fits_tokens(sub, l_d) & fits_patches(sub, e_d) & ~empty_llm_set(l_d, sub.valid, m)
+        ok_d = (t_d < cur[rows] * (1 - 1e-9)) & fits & _within(sub, e_d, l_d, limit)
+        if e2 is None:
+            e2, l2, t2, ok = e_d, l_d, t_d, ok_d
+            continue
+        swap = ok_d & (~ok | (t_d < t2))
+        e2, l2 = np.where(swap[:, None], e_d, e2), np.where(swap[:, None], l_d, l2)
+        t2, ok = np.where(swap, t_d, t2), ok | ok_d
     taken = rows[ok]
     if len(taken) == 0:
         return eidx, lidx
@@ -258,6 +290,40 @@ def _deal(sub: Replicas, es, ls, work, light, share) -> tuple[np.ndarray, np.nda
         pat[g, j[act]] += pat_s[g, s[act]]
         count[g, j[act]] += 1
     return e2, l2
+
+
+def _shares_now(es, ls, ef, with_l, light) -> np.ndarray:
+    """[r, m] the share of the light work each microbatch carries in the sets (es, ls): a
+    sample's E-set work (``ef``) where its E set is, the rest (``with_l``) where its L set is."""
+    m = int(max(es.max(initial=0), ls.max(initial=0))) + 1
+    load = slot_sums(es, ef.sum(axis=2), light, m) + slot_sums(ls, with_l.sum(axis=2), light, m)
+    return load / np.maximum(load.sum(axis=1, keepdims=True), 1e-300)
+
+
+def _fluid_cv(hk, lk, share) -> np.ndarray:
+    """[..., P, K] every module's per-microbatch CV of the loads ``hk + share * lk`` (``hk``
+    [..., 1, m, K] or [..., m, K] the heavy samples' module loads, ``lk`` [..., 1, K] or
+    [..., K] the light work's totals, ``share`` [..., P, m])."""
+    if hk.ndim == 3:
+        hk, lk = hk[:, None], lk[:, None]
+    loads = hk + share[..., None] * lk[..., None, :]  # [..., P, m, K]
+    mean = loads.mean(axis=-2)
+    return np.where(mean > 0, loads.std(axis=-2) / np.where(mean > 0, mean, 1.0), 0.0)
+
+
+def _towards(now, free, hk, lk, aim) -> np.ndarray:
+    """[r, m] the point furthest from ``now`` towards ``free`` whose fluid CVs stay within
+    ``aim`` (bisection: the CV bound is convex in the shares and ``now`` is within it, so the
+    points within it form one stretch of the line)."""
+    lo, hi = np.zeros(len(now)), np.ones(len(now))
+    ok = (_fluid_cv(hk, lk, free[:, None])[:, 0] <= aim + 1e-12).all(axis=1)
+    lo[ok] = 1.0
+    for _ in range(_BISECTIONS):
+        t = np.where(ok, 1.0, (lo + hi) / 2)
+        pt = now + t[:, None] * (free - now)
+        fine = (_fluid_cv(hk, lk, pt[:, None])[:, 0] <= aim + 1e-12).all(axis=1)
+        lo, hi = np.where(fine, t, lo), np.where(fine, hi, t)
+    return now + lo[:, None] * (free - now)
 
 
 def _within(sub: Replicas, es, ls, limit) -> np.ndarray:
