@@ -64,10 +64,10 @@ def test_the_told_depth_is_the_one_priced(costs):
 def test_an_untold_depth_is_hedged_over_several():
     """Given no depth, the pick prices every candidate on 2, 4 and 8 stages: on
     multi-image video the sets priced on 4 alone run 3% slower than the best on 8 stages;
-    the hedged ones lose less there and little on 4 (0.7%: told the depth, the search may
+    the hedged ones lose less there and little on 4 (1.0%: told the depth, the search may
     also shape the light work around a sample heavier than a mean microbatch and the light
-    work is laid on the pipeline's profile there, which an untold depth does not allow,
-    `pipeline_search.outliers`, `light_work`)."""
+    work of the slowest replicas is laid on the pipeline's profile, which an untold depth
+    does not allow, `pipeline_search.outliers`, `light_work`)."""
     spec = ModelSpec.from_names(["qwen2.5-vl-vision"], "llama-3.2-1b")
     c = per_sample_costs(synthesize("multi-image-video", 2048, seed=11), spec)
     enc, llm, tok = c.encoder_cost(), c.llm_cost(), c.llm_tokens.astype(np.int64)
@@ -80,7 +80,7 @@ def test_an_untold_depth_is_hedged_over_several():
             for j, depth in enumerate((4, 8)):
                 t[i, j] += _time_on(a, enc[rows], llm[rows], depth)
     assert t[0, 1] < t[1, 1] * 0.995, t
-    assert t[0, 0] <= t[1, 0] * 1.008, t
+    assert t[0, 0] <= t[1, 0] * 1.012, t
 
 
 @pytest.mark.parametrize("frozen", [False, True])

@@ -1,9 +1,9 @@
-"""The light work of replicas holding outliers, laid on the pipeline's fluid profile (issue 12).
+"""The light work of the slowest replicas laid on the pipeline's fluid profile (issue 12).
 
 :mod:`entrain_data.assignment.light_work` keeps the heavy samples' slots, optimises the share
-of the rest each microbatch carries on the proxy 1F1B pipeline and deals the light samples to
-those shares, where that shortens the replica's proxy iteration within the caps and within a
-random cut's CV on every module.
+of the rest each microbatch carries on the proxy 1F1B pipeline (free, and within a CV bound)
+and deals the light samples to those shares, where that shortens the replica's proxy
+iteration within the caps and within a random cut's CV on every module.
 """
 
 from __future__ import annotations
@@ -14,12 +14,11 @@ from test_assignment_pick import workload_on_stages
 
 from entrain_data.assignment import assign, check_assignment
 from entrain_data.assignment import entrain as en
-from entrain_data.assignment.common import Inputs, module_cv, module_loads, slot_sums
-from entrain_data.assignment.light_work import fluid_profile, lay_light_work
+from entrain_data.assignment.common import module_cv, module_loads, slot_sums
+from entrain_data.assignment.light_work import fluid_profile
 from entrain_data.assignment.pipeline_search import (
     _pipeline_times,
     _topo,
-    outliers,
     proxy_times,
     random_cut_cv,
     stage_costs,
@@ -71,6 +70,33 @@ def test_the_fluid_profile_beats_even_shares_within_its_bounds(seed):
             assert _pipeline_times(f, b, topo).min() > 0.995 * t[r]
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_the_bounded_profile_keeps_its_cv_bound_and_never_ends_slower_than_its_start(seed):
+    """With ``spread`` every move stays within the modules' CV bound: from a start within it
+    the profile ends within it, no slower than the start, and slower or as fast as the free
+    profile (the bound only takes options away)."""
+    rng = np.random.default_rng(seed)
+    r_count, m, s_count, k = 3, 16, 4, 2
+    fh, bh, fl, bl = _heavy_loads(rng, r_count, m, s_count, 2)
+    upper = np.full((r_count, m), np.inf)
+    hk = rng.uniform(0.0, 1.0, (r_count, m, k)) * (fh.sum(axis=2, keepdims=True) > 0)
+    lk = rng.uniform(5.0, 10.0, (r_count, k))
+    start = np.full((r_count, m), 1.0 / m)
+    loads = hk + start[..., None] * lk[:, None]
+    cv0 = loads.std(axis=1) / loads.mean(axis=1)
+    limit = 1.2 * cv0
+    topo = _topo(m, s_count)
+    t_start = _pipeline_times(
+        fh + start[..., None] * fl[:, None], bh + start[..., None] * bl[:, None], topo
+    )
+    t, share = fluid_profile(fh, bh, fl, bl, upper, start, (hk, lk, limit))
+    t_free, _ = fluid_profile(fh, bh, fl, bl, upper)
+    loads = hk + share[..., None] * lk[:, None]
+    assert (loads.std(axis=1) / loads.mean(axis=1) <= limit + 1e-9).all()
+    assert np.allclose(share.sum(axis=1), 1.0) and (share >= 0).all()
+    assert (t <= t_start).all() and (t < 0.99 * t_start).any() and (t_free <= t + 1e-9).all()
+
+
 def _outlier_batch(seed, b=1024, dp=8, m=16):
     costs, per_stage = workload_on_stages("qwen2vl-dynamic", ["qwen2.5-vl-vision"], b, seed)
     enc, llm, tok = costs.encoder_cost(), costs.llm_cost(), costs.llm_tokens
@@ -119,10 +145,11 @@ def test_untold_depth_leaves_the_sets_alone():
 
 @pytest.mark.parametrize(("seed", "search"), [(0, True), (1, True), (2, True), (0, False)])
 def test_a_replica_takes_the_layout_only_where_it_is_faster_even_and_within_the_caps(seed, search):
-    """On level 2's own sets (called directly): no replica's proxy time grows, a changed
-    replica keeps every module within a random cut's CV, its caps and a sample in every LLM
-    set and never reads an encoder output before it exists; without the search that follows
-    the deal, its heavy samples keep their slots and the light ones sit in joint sets."""
+    """On level 2's own sets (called directly): no replica's proxy time grows, nor the
+    batch's largest LLM or encoder set; a changed replica keeps every module within a random
+    cut's CV, its caps and a sample in every LLM set and never reads an encoder output before
+    it exists; without the search that follows the deal, its heavy samples keep their slots
+    and the light ones sit in joint sets."""
     from entrain_data.assignment import light_work
 
     enc, llm, tok, caps, _, kw = _outlier_batch(seed)
@@ -144,12 +171,16 @@ def test_a_replica_takes_the_layout_only_where_it_is_faster_even_and_within_the_
         stage = stage_costs(rp)
         before, after = proxy_times(rp, e, lo, stage), proxy_times(rp, e2, l2, stage)
         assert (after <= before).all()
+        # the batch's memory peak, its largest LLM set and encoder set, does not grow
+        tok = rp.tok.astype(float)
+        pat = np.where(rp.has_enc[..., None], rp.patches, 0).astype(float)
+        for idx, idx2, v in ((lo, l2, tok), (e, e2, pat)):
+            peak = slot_sums(idx, v, rp.valid, rp.m).max(axis=(0, 1))
+            assert (slot_sums(idx2, v, rp.valid, rp.m).max(axis=(0, 1)) <= peak + 0.5).all()
         moved = ((e2 != e) | (l2 != lo)).any(axis=1)
         changed += int(moved.sum())
         if not moved.any():
             continue
-        cost = np.where(rp.valid[..., None], rp.module_costs, 0.0)
-        assert outliers(cost, rp.m).any(axis=1)[moved].all()
         cv = module_cv(module_loads(rp, e2, l2))
         assert (cv <= random_cut_cv(rp.module_costs, rp.valid, rp.m) + 1e-9)[moved].all()
         assert (slot_sums(l2, rp.tok.astype(float), rp.valid, rp.m) <= rp.cap).all()
@@ -167,16 +198,34 @@ def test_a_replica_takes_the_layout_only_where_it_is_faster_even_and_within_the_
     assert changed > 0
 
 
-def test_without_outliers_nothing_moves():
-    rng = np.random.default_rng(0)
-    n, dp, m = 256, 2, 8
-    enc = rng.lognormal(0, 0.3, n)
-    llm = rng.lognormal(0, 0.3, n)
-    tok = (llm * 100).astype(np.int64) + 1
-    x = Inputs(enc[:, None], llm, tok, dp, m, max_tokens=None, defer_budget=None)
-    rp = en.replicas_of(x, np.arange(n).reshape(dp, n // dp))
-    eidx = np.tile(np.arange(n // dp) % m, (dp, 1))
-    stage = stage_costs(rp)
-    cur = proxy_times(rp, eidx, eidx, stage)
-    e2, l2 = lay_light_work(rp, eidx, eidx, stage, cur, np.random.default_rng(0))
-    assert e2 is eidx and l2 is eidx
+@pytest.mark.parametrize("seed", range(3))
+def test_batches_without_outliers_run_shorter_and_stay_more_even_than_a_blind_cut(seed):
+    """qwen2vl-dynamic at 1024 / dp 4 / 16 on the bench's 4-stage layout: no sample heavier
+    than a mean microbatch, yet even sets leave the fill and drain to the pipeline; laid on
+    the profile within the CV bound the iteration runs 2.9-3.4% shorter (seeds 0-2: 0.966,
+    0.971, 0.967 of the time without), and every module stays more even than `sequential`'s
+    blind cut."""
+    costs, per_stage = workload_on_stages("qwen2vl-dynamic", ["qwen2.5-vl-vision"], 1024, seed)
+    enc, llm, tok = costs.encoder_cost(), costs.llm_cost(), costs.llm_tokens
+    kw = dict(dp=4, microbatches=16, seed=seed, pipeline_stages=4)
+    assert max(enc.max() / enc.sum(), llm.max() / llm.sum()) < 1 / 64  # no outlier
+
+    def run(method="entrain"):
+        a = assign(enc, llm, tok, method=method, **kw)
+        check_assignment(a, len(enc), tok, None)
+        return a, simulate_pipeline(*times_from_sample_costs(a, per_stage)).iteration_time
+
+    laid, t_laid = run()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(en, "lay_light_work", lambda rp, e, lo, stage, cur, rng: (e, lo))
+        _, t_without = run()
+    assert t_laid < 0.98 * t_without
+    blind, _ = run("sequential")
+
+    def cv(sets, cost):
+        loads = np.array([cost[s].sum() for rep in sets for s in rep])
+        return loads.std() / loads.mean()
+
+    for sets, cost in ((laid.encoder_sets, enc), (laid.llm_sets, llm)):
+        blind_sets = blind.encoder_sets if sets is laid.encoder_sets else blind.llm_sets
+        assert cv(sets, cost) < cv(blind_sets, cost)

@@ -44,10 +44,10 @@ stays within a stated slack of the sets' own (4% encoders, 10% LLM) or within 5%
 what a random equal-count cut would give, whichever is larger
 (:func:`.pipeline_search.cv_limits`).
 
-On the slowest replicas holding a sample heavier than a mean microbatch, where the plan's
-depth is told, the light samples are then re-laid around the heavy ones on the share profile
-that is fastest on the proxy pipeline (:mod:`.light_work`), where that is faster and every
-module stays within a random cut's CV.
+On the slowest replicas, where the plan's depth is told, the light samples are then re-laid
+(around the heavy ones, where a replica holds any) on the share profile that is fastest on
+the proxy pipeline, free or within a CV bound (:mod:`.light_work`), where that is faster and
+every module stays within a random cut's CV.
 
 Level 1 evens the replicas' module sums, but a replica holding a sample several times a
 mean microbatch stalls 1F1B and runs longer than its sums say. After level 2 such a replica
@@ -261,7 +261,7 @@ def _level2(
     the proxy, the search won back half, 0.999 of verl_kk). Where the own order beats the
     search's result the replica keeps its own order (searching it as well added 5-7 ms an
     assignment at 8192 / dp 128 for 0.2% on that mix). Last, the light work of the slowest
-    replicas holding outliers is laid on the pipeline's fluid profile (:mod:`.light_work`)."""
+    replicas is laid on the pipeline's fluid profile (:mod:`.light_work`)."""
     eidx, lidx, keep = _pick(_candidates(rp, tolerance, stage), rp, stage)
     work = sum(s.sum(axis=2) for s in stage)  # [R, n] a sample's work on the proxy's stages
     e_m, l_m = _edges_light(eidx, lidx, rp.valid, work, rp.m, keep)

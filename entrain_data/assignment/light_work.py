@@ -1,42 +1,48 @@
-"""The light work of a replica holding outliers, laid where the pipeline wants it.
+"""The light work of the slowest replicas, laid where the pipeline wants it.
 
-A replica holding a sample heavier than a mean microbatch (:func:`.pipeline_search.outliers`)
-cannot run even microbatches: that sample's microbatch is heavy whatever the cut, and 1F1B
-absorbs it only when the work around it is shaped to it. The shape is not the one a rule of
-thumb gives. On the bench's simulator a local search over whole-sample moves took such
-replicas 3.5-11% below entrain's sets (bench/RESULTS.md, eighteenth session), always to the
-same kind of profile: nearly nothing at the edges, the light work rising towards the heavy
-microbatches and falling after them, up to two to four mean microbatches right beside them.
-The pipeline search's random moves reach part of it (a few samples at a time from balanced
-sets).
+1F1B runs the first forwards and the last backwards alone: even microbatches leave that fill
+and drain to the pipeline, and a replica holding a sample heavier than a mean microbatch
+(:func:`.pipeline_search.outliers`) cannot run even microbatches at all. The shape that runs
+fastest is not the one a rule of thumb gives. On the bench's simulator a local search over
+whole-sample moves took outlier replicas 3.5-11% below entrain's sets (bench/RESULTS.md,
+eighteenth session), always to the same kind of profile: nearly nothing at the edges, the
+light work rising towards the heavy microbatches and falling after them. Without outliers
+the fastest profile rises from light first microbatches to a plateau and falls at the end;
+at 4096 / dp 16 / 16 it ran 2-4% below entrain's sets by the proxy on the high-variance rows
+(twentieth session), where the pipeline search, held to a twentieth of a random cut's CV
+(:func:`.pipeline_search.cv_limits`), reached about half of it.
 
 Here the heavy samples (work on the proxy's stages above ``_HEAVY`` of a mean microbatch)
 keep their E and L microbatches, and the rest of the replica's work is treated as a fluid:
 the share of it each microbatch carries (the profile) is optimised on the proxy 1F1B
 pipeline itself (:func:`fluid_profile`: exchange descent on the slopes of the simulated
 time, every replica at once, each microbatch's share bounded so its tokens and patches
-stay under ``_CAP_AIM`` of the caps). The light samples are then dealt, heaviest first, to
-the microbatch furthest below its share that still fits the caps, as joint sets (E = L:
-their encoder output never waits). A replica takes the result only where its proxy time
-falls, the caps hold, no LLM set is empty (where it holds at least as many samples as
-microbatches) and every module's per-microbatch CV stays within
-a random equal-count cut's (the co-shaped candidate's bound): the contract that no module
-ends less even than a cost-blind cut leaves it. The pipeline search then runs once more from
-there on those replicas (the heavy samples' slots were found for the old light work), the
-same bound and a proxy time no longer than the deal's held after it.
+stay under ``_CAP_AIM`` of the caps), twice: free, and within a CV bound (every module's
+fluid CV at most ``_CV_AIM`` of a random equal-count cut's, starting from the furthest
+point towards the free profile within it from the replica's present shares). The light
+samples are dealt to each profile, heaviest first, to the microbatch furthest below its
+share that still fits the caps, as joint sets (E = L: their encoder output never waits). A
+replica takes the faster of the two deals only where its proxy time falls, the caps hold,
+no LLM set is empty (where it holds at least as many samples as microbatches) and every
+module's per-microbatch CV stays within a random equal-count cut's: the contract that no
+module ends less even than a cost-blind cut leaves it (the free profile alone broke it on
+most replicas without outliers). The pipeline search then runs once more from there on those
+replicas (the heavy samples' slots were found for the old light work), the same bound and a
+proxy time no longer than the deal's held after it.
 
 The optimisation costs a few hundred simulated pipelines per replica, and the iteration
 waits for its slowest replica, so it runs on the slowest replicas only: at most ``_FOCUS``,
-down to the first one that holds no outlier, and not at all where the first replica left
-out runs within ``_ROOM`` of the slowest (the iteration could not get shorter by more; at
-8192 / dp 128 it cost 30-45 ms an assignment there for 0.1-0.5% on a few rows). "Slowest" is
-among the replicas it is given: the stall shedding's level 2 of its givers gives it only
-those. It runs
-only where the plan's depth is told (untold, the proxy's depth is a guess, and a
-profile fitted to a guessed fill and drain is fitted to the wrong pipeline).
+and not at all where the first replica left out runs within ``_ROOM`` of the slowest (the
+iteration could not get shorter by more; at 8192 / dp 128 it cost 30-45 ms an assignment
+there for 0.1-0.5% on a few rows). "Slowest" is among the replicas it is given: the stall
+shedding's level 2 of its givers gives it only those. It runs only where the plan's depth
+is told (untold, the proxy's depth is a guess, and a profile fitted to a guessed fill and
+drain is fitted to the wrong pipeline).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 
@@ -159,8 +165,8 @@ def lay_light_work(
     cur: np.ndarray,
     rng: np.random.Generator,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``(eidx, lidx)`` with the light samples of the slowest replicas holding outliers
-    re-laid on their :func:`fluid_profile` where that shortens the replica's proxy
+    """``(eidx, lidx)`` with the light samples of the slowest replicas re-laid on their
+    :func:`fluid_profile` (free or within the CV bound) where that shortens the replica's proxy
     iteration within the caps and the CV bound (the module docstring), then searched once
     more from there (:func:`.pipeline_search.refine_by_pipeline`, ``rng``'s draws: the heavy
     samples' slots were found for the old light work; measured at 512 / dp 4 / 32, 0.2-2%
@@ -177,6 +183,8 @@ def lay_light_work(
     if ceiling >= cur.max() * (1 - _ROOM):
         return eidx, lidx
     rows = np.sort(slowest[:count])
+    peaks = _peaks(rp, eidx, lidx)
+    aim, rp = _capped(rp, peaks, _CAP_AIM), _capped(rp, peaks)
     sub = rp.take(rows)
     ef, lf, lb = (s[rows] for s in stage)
     es, ls = eidx[rows], lidx[rows]
@@ -188,7 +196,7 @@ def lay_light_work(
     lit = light[..., None]
     fl = np.where(lit, ef + lf, 0.0).sum(axis=1)
     bl = np.where(lit, lb, 0.0).sum(axis=1)
-    upper = _upper(sub, es, ls, heavy, light)
+    upper = _upper(sub, es, ls, heavy, light, aim)
     _, free = fluid_profile(fh, bh, fl, bl, upper)
     limit = random_cut_cv(sub.module_costs, sub.valid, m)
     hk = module_loads(sub, np.where(heavy, es, -1), np.where(heavy, ls, -1))
@@ -197,20 +205,15 @@ def lay_light_work(
     aim = np.maximum(_CV_AIM * limit, _fluid_cv(hk, lk, now[:, None])[:, 0])
     start = _towards(now, free, hk, lk, aim)
     _, bounded = fluid_profile(fh, bh, fl, bl, np.maximum(upper, now), start, (hk, lk, aim))
-    # both profiles dealt: the free one's sets often end within the CV bound though the
-    # fluid's CVs were above its aim (heavy samples' microbatches), the bounded one's where not
-    e2, l2, t2, ok = None, None, None, np.zeros(len(rows), dtype=bool)
-    for share in (free, bounded):
-        e_d, l_d = _deal(sub, es, ls, work, light, share)
-        t_d = proxy_times(sub, e_d, l_d, (ef, lf, lb))
-        fits = fits_tokens(sub, l_d) & fits_patches(sub, e_d) & ~empty_llm_set(l_d, sub.valid, m)
-        ok_d = (t_d < cur[rows] * (1 - 1e-9)) & fits & _within(sub, e_d, l_d, limit)
-        if e2 is None:
-            e2, l2, t2, ok = e_d, l_d, t_d, ok_d
-            continue
-        swap = ok_d & (~ok | (t_d < t2))
-        e2, l2 = np.where(swap[:, None], e_d, e2), np.where(swap[:, None], l_d, l2)
-        t2, ok = np.where(swap, t_d, t2), ok | ok_d
+    # both profiles dealt: the free one's sets often end within the CV bound though its
+    # fluid's CVs are above the aim (the heavy samples' microbatches), the bounded one's
+    # where they do not
+    st = (ef, lf, lb)
+    e2, l2, t2, ok = _dealt(sub, es, ls, st, work, light, free, cur[rows], limit)
+    e3, l3, t3, ok3 = _dealt(sub, es, ls, st, work, light, bounded, cur[rows], limit)
+    use = ok3 & (~ok | (t3 < t2))
+    e2, l2 = np.where(use[:, None], e3, e2), np.where(use[:, None], l3, l2)
+    t2, ok = np.where(use, t3, t2), ok | ok3
     taken = rows[ok]
     if len(taken) == 0:
         return eidx, lidx
@@ -227,22 +230,52 @@ def lay_light_work(
     return eidx, lidx
 
 
-def _upper(sub: Replicas, es, ls, heavy, light) -> np.ndarray:
+def _peaks(rp: Replicas, eidx: np.ndarray, lidx: np.ndarray) -> tuple[float, np.ndarray]:
+    """The largest LLM set (tokens) and encoder set (patches [E]) of ``(eidx, lidx)`` over
+    all of ``rp``'s replicas: the batch's memory peak, which the layout may not raise. Left
+    to the caps alone it did on 6 of 34 rows at 512 / dp 4 / 32 (a plateau of light work is
+    higher than even sets; real:video-activitynet's largest LLM set 22% above a blind cut's)."""
+    tok = slot_sums(lidx, rp.tok.astype(np.float64), rp.valid, rp.m).max(initial=0)
+    valid = rp.valid & rp.has_enc
+    return tok, slot_sums(eidx, rp.patches.astype(np.float64), valid, rp.m).max(axis=(0, 1))
+
+
+def _capped(rp: Replicas, peaks: tuple[float, np.ndarray], aim: float = 1.0) -> Replicas:
+    """``rp`` with its caps at ``aim`` of themselves and at most the ``peaks``."""
+    tok, pat = peaks
+    return replace(
+        rp,
+        cap=tok if rp.cap is None else min(aim * rp.cap, tok),
+        patch_cap=pat if rp.patch_cap is None else np.minimum(aim * rp.patch_cap, pat),
+    )
+
+
+def _dealt(sub, es, ls, st, work, light, share, cur, limit):
+    """(eidx, lidx, proxy times, taken) of :func:`_deal` to ``share`` [r, m]: taken where
+    the replica runs shorter than ``cur`` [r], within the caps with no LLM set empty, and
+    every module within ``limit`` [r, K] (a random cut's CVs)."""
+    e2, l2 = _deal(sub, es, ls, work, light, share)
+    t2 = proxy_times(sub, e2, l2, st)
+    fits = fits_tokens(sub, l2) & fits_patches(sub, e2) & ~empty_llm_set(l2, sub.valid, sub.m)
+    return e2, l2, t2, (t2 < cur * (1 - 1e-9)) & fits & _within(sub, e2, l2, limit)
+
+
+def _upper(sub: Replicas, es, ls, heavy, light, aim: Replicas) -> np.ndarray:
     """[r, m] the largest share of the light work each microbatch may carry: its tokens
-    (with the heavy samples' in its L set) and its patches (with theirs in its E set) at
-    most ``_CAP_AIM`` of the caps if the light samples' tokens and patches follow their work
-    (they do not exactly: the check after the deal holds the caps); no bound without caps."""
+    (with the heavy samples' in its L set) and its patches (with theirs in its E set) within
+    ``aim``'s caps if the light samples' tokens and patches follow their work (they do not
+    exactly: the check after the deal holds the caps); no bound without caps."""
     m = sub.m
     upper = np.full(es.shape[0:1] + (m,), np.inf)
-    if sub.cap is not None:
+    if aim.cap is not None:
         held = slot_sums(ls, sub.tok.astype(np.float64), heavy, m)
         total = np.where(light, sub.tok, 0).sum(axis=1).astype(np.float64)
-        upper = (_CAP_AIM * sub.cap - held) / np.maximum(total, 1.0)[:, None]
-    if sub.patch_cap is not None:
+        upper = (aim.cap - held) / np.maximum(total, 1.0)[:, None]
+    if aim.patch_cap is not None:
         pat = _patch_sizes(sub)
         held = slot_sums(es, pat, heavy, m)  # [r, m, E]
         total = np.where(light[..., None], pat, 0.0).sum(axis=1)  # [r, E]
-        room = (_CAP_AIM * sub.patch_cap - held) / np.maximum(total, 1.0)[:, None, :]
+        room = (aim.patch_cap - held) / np.maximum(total, 1.0)[:, None, :]
         upper = np.minimum(upper, np.where(total[:, None, :] > 0, room, np.inf).min(axis=2))
     return np.maximum(upper, 0.0)
 
