@@ -46,8 +46,10 @@ def _time_on(a, enc, llm, stages: int) -> float:
 
 def test_the_told_depth_is_the_one_priced(costs):
     """Assigned for an 8-stage plan, the iterations run faster on 8 stages than the ones
-    assigned for the default depth (4), and vice versa: the depth decides where the fill
-    and drain sit, which is what the proxy prices."""
+    assigned for the default depth (4): the depth decides where the fill and drain sit,
+    which is what the proxy prices. The other way the margin is gone: the light work laid
+    for 8 stages (light edges, a plateau, `light_work`) suits 4 as well, within 0.5% of the
+    sets told 4 (measured 0.2% ahead of them; 1.3% behind them on 8)."""
     enc, llm, tok = costs
     t = np.zeros((2, 2))  # [told 4, told 8] x [run on 4, run on 8]
     for it in range(4):
@@ -57,17 +59,19 @@ def test_the_told_depth_is_the_one_priced(costs):
                        iteration=it, pipeline_stages=told)  # fmt: skip
             for j, depth in enumerate((4, 8)):
                 t[i, j] += _time_on(a, enc[rows], llm[rows], depth)
-    assert t[1, 1] < t[0, 1] * 0.999, t
-    assert t[0, 0] < t[1, 0], t
+    assert t[1, 1] < t[0, 1] * 0.995, t
+    assert t[0, 0] < t[1, 0] * 1.005, t
 
 
 def test_an_untold_depth_is_hedged_over_several():
     """Given no depth, the pick prices every candidate on 2, 4 and 8 stages: on
-    multi-image video the sets priced on 4 alone run 3% slower than the best on 8 stages;
-    the hedged ones lose less there and little on 4 (1.0%: told the depth, the search may
-    also shape the light work around a sample heavier than a mean microbatch and the light
-    work of the slowest replicas is laid on the pipeline's profile, which an untold depth
-    does not allow, `pipeline_search.outliers`, `light_work`)."""
+    multi-image video the sets priced on 4 alone run slower than the hedged ones on 8
+    stages (0.3%; 3% before the light work was laid on every slow replica told the depth,
+    which suits 8 stages too), and the hedged ones lose little on 4 (1.0%: told the depth,
+    the search may also shape the light work around a sample heavier than a mean
+    microbatch and the light work of the slowest replicas is laid on the pipeline's
+    profile, which an untold depth does not allow, `pipeline_search.outliers`,
+    `light_work`)."""
     spec = ModelSpec.from_names(["qwen2.5-vl-vision"], "llama-3.2-1b")
     c = per_sample_costs(synthesize("multi-image-video", 2048, seed=11), spec)
     enc, llm, tok = c.encoder_cost(), c.llm_cost(), c.llm_tokens.astype(np.int64)
@@ -79,7 +83,7 @@ def test_an_untold_depth_is_hedged_over_several():
                        iteration=it, pipeline_stages=told)  # fmt: skip
             for j, depth in enumerate((4, 8)):
                 t[i, j] += _time_on(a, enc[rows], llm[rows], depth)
-    assert t[0, 1] < t[1, 1] * 0.995, t
+    assert t[0, 1] < t[1, 1], t
     assert t[0, 0] <= t[1, 0] * 1.012, t
 
 

@@ -70,6 +70,7 @@ _HALVINGS = 3  # a replica's descent stops once its slope step has halved more o
 _TRIES = np.array([1.0, 0.25, 0.0625])  # ... at these shares of the largest move
 _CV_AIM = 0.9  # the profile's CVs aim at most this near a random cut's (the deal adds some)
 _BISECTIONS = 12
+_BLIND_SPREAD = 1.0  # the layout's largest set: at least this many blind-cut deviations up
 
 
 def fluid_profile(
@@ -231,13 +232,28 @@ def lay_light_work(
 
 
 def _peaks(rp: Replicas, eidx: np.ndarray, lidx: np.ndarray) -> tuple[float, np.ndarray]:
-    """The largest LLM set (tokens) and encoder set (patches [E]) of ``(eidx, lidx)`` over
-    all of ``rp``'s replicas: the batch's memory peak, which the layout may not raise. Left
-    to the caps alone it did on 6 of 34 rows at 512 / dp 4 / 32 (a plateau of light work is
-    higher than even sets; real:video-activitynet's largest LLM set 22% above a blind cut's)."""
-    tok = slot_sums(lidx, rp.tok.astype(np.float64), rp.valid, rp.m).max(initial=0)
-    valid = rp.valid & rp.has_enc
-    return tok, slot_sums(eidx, rp.patches.astype(np.float64), valid, rp.m).max(axis=(0, 1))
+    """The largest LLM set (tokens) and encoder set (patches [E]) the layout may build: the
+    batch's present peak of ``(eidx, lidx)`` over all of ``rp``'s replicas, or, where larger,
+    a mean microbatch plus ``_BLIND_SPREAD`` of a blind cut's standard deviation on the
+    replica where that is largest (a blind equal-count cut's largest set is two to three
+    deviations above the mean). Left to the caps alone the layout rose above `sequential`'s
+    largest set on 6 of 34 rows at 512 / dp 4 / 32 (real:video-activitynet's 22% above); held
+    to the present peak it gave up half its gain at 4096 / dp 16 (a plateau of light work is
+    higher than even sets)."""
+    valid, enc = rp.valid, rp.valid & rp.has_enc
+    tok, pat = rp.tok.astype(np.float64), rp.patches.astype(np.float64)
+    tok_now = slot_sums(lidx, tok, valid, rp.m).max(initial=0)
+    pat_now = slot_sums(eidx, pat, enc, rp.m).max(axis=(0, 1))
+    return max(tok_now, _blind(tok[..., None], valid, rp.m)[0]), np.maximum(
+        pat_now, _blind(pat, enc, rp.m)
+    )
+
+
+def _blind(values: np.ndarray, valid: np.ndarray, m: int) -> np.ndarray:
+    """[K] the largest over replicas of a mean microbatch of ``values`` [R, n, K] plus
+    ``_BLIND_SPREAD`` deviations of a random equal-count cut's microbatch."""
+    mean = np.where(valid[..., None], values, 0.0).sum(axis=1) / m  # [R, K]
+    return (mean * (1 + _BLIND_SPREAD * random_cut_cv(values, valid, m))).max(axis=0)
 
 
 def _capped(rp: Replicas, peaks: tuple[float, np.ndarray], aim: float = 1.0) -> Replicas:
