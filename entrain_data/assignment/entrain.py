@@ -46,8 +46,8 @@ what a random equal-count cut would give, whichever is larger
 
 On the slowest replicas, where the plan's depth is told, the light samples are then re-laid
 (around the heavy ones, where a replica holds any) on the share profile that is fastest on
-the proxy pipeline, free or within a CV bound (:mod:`.light_work`), where that is faster and
-every module stays within a random cut's CV.
+the proxy pipeline, free or within a CV bound (:mod:`.light_work`), where that is faster,
+every module stays within a random cut's CV and the batch's largest sets within its peaks.
 
 Level 1 evens the replicas' module sums, but a replica holding a sample several times a
 mean microbatch stalls 1F1B and runs longer than its sums say. After level 2 such a replica

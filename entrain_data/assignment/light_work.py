@@ -7,21 +7,24 @@ fastest is not the one a rule of thumb gives. On the bench's simulator a local s
 whole-sample moves took outlier replicas 3.5-11% below entrain's sets (bench/RESULTS.md,
 eighteenth session), always to the same kind of profile: nearly nothing at the edges, the
 light work rising towards the heavy microbatches and falling after them. Without outliers
-the fastest profile rises from light first microbatches to a plateau and falls at the end;
-at 4096 / dp 16 / 16 it ran 2-4% below entrain's sets by the proxy on the high-variance rows
-(twentieth session), where the pipeline search, held to a twentieth of a random cut's CV
-(:func:`.pipeline_search.cv_limits`), reached about half of it.
+the fastest profile rises from light first microbatches to a plateau and falls at the end:
+at 4096 / dp 16 / 16 it ran 2-4.5% below entrain's sets by the proxy (twentieth session),
+where the pipeline search is held to a twentieth of a random cut's CV
+(:func:`.pipeline_search.cv_limits`); within 0.8 of a random cut's CV, 1.2-1.8% below on
+the high-variance rows (qwen2vl-dynamic, sroie-docs, multi-image-video, video-nextqa).
 
 Here the heavy samples (work on the proxy's stages above ``_HEAVY`` of a mean microbatch)
 keep their E and L microbatches, and the rest of the replica's work is treated as a fluid:
 the share of it each microbatch carries (the profile) is optimised on the proxy 1F1B
 pipeline itself (:func:`fluid_profile`: exchange descent on the slopes of the simulated
 time, every replica at once, each microbatch's share bounded so its tokens and patches
-stay under ``_CAP_AIM`` of the caps), twice: free, and within a CV bound (every module's
-fluid CV at most ``_CV_AIM`` of a random equal-count cut's, starting from the furthest
-point towards the free profile within it from the replica's present shares). The light
+stay under ``_CAP_AIM`` of the caps and under the batch's :func:`_peaks`), twice: free,
+and within a CV bound (every module's fluid CV at most ``_CV_AIM`` of a random equal-count
+cut's, or its present CV where that is larger, starting from the furthest point towards the
+free profile within it from the replica's present shares). The light
 samples are dealt to each profile, heaviest first, to the microbatch furthest below its
-share that still fits the caps, as joint sets (E = L: their encoder output never waits). A
+share that still fits the caps and the peaks (the layout may not raise the batch's largest
+sets past them), as joint sets (E = L: their encoder output never waits). A
 replica takes the faster of the two deals only where its proxy time falls, the caps hold,
 no LLM set is empty (where it holds at least as many samples as microbatches) and every
 module's per-microbatch CV stays within a random equal-count cut's: the contract that no
@@ -33,8 +36,9 @@ proxy time no longer than the deal's held after it.
 The optimisation costs a few hundred simulated pipelines per replica, and the iteration
 waits for its slowest replica, so it runs on the slowest replicas only: at most ``_FOCUS``,
 and not at all where the first replica left out runs within ``_ROOM`` of the slowest (the
-iteration could not get shorter by more; at 8192 / dp 128 it cost 30-45 ms an assignment
-there for 0.1-0.5% on a few rows). "Slowest" is among the replicas it is given: the stall
+iteration could not get shorter by more; at 8192 / dp 128, on 8 replicas holding outliers,
+it cost 30-45 ms an assignment for 0.1-0.5% on a few rows; at 4096 / dp 16 on all 16 it
+takes the assignment from 49 to 121-124 ms). "Slowest" is among the replicas it is given: the stall
 shedding's level 2 of its givers gives it only those. It runs only where the plan's depth
 is told (untold, the proxy's depth is a guess, and a profile fitted to a guessed fill and
 drain is fitted to the wrong pipeline).
@@ -185,7 +189,7 @@ def lay_light_work(
         return eidx, lidx
     rows = np.sort(slowest[:count])
     peaks = _peaks(rp, eidx, lidx)
-    aim, rp = _capped(rp, peaks, _CAP_AIM), _capped(rp, peaks)
+    aimed, rp = _capped(rp, peaks, _CAP_AIM), _capped(rp, peaks)
     sub = rp.take(rows)
     ef, lf, lb = (s[rows] for s in stage)
     es, ls = eidx[rows], lidx[rows]
@@ -197,15 +201,16 @@ def lay_light_work(
     lit = light[..., None]
     fl = np.where(lit, ef + lf, 0.0).sum(axis=1)
     bl = np.where(lit, lb, 0.0).sum(axis=1)
-    upper = _upper(sub, es, ls, heavy, light, aim)
+    upper = _upper(sub, es, ls, heavy, light, aimed)
     _, free = fluid_profile(fh, bh, fl, bl, upper)
     limit = random_cut_cv(sub.module_costs, sub.valid, m)
     hk = module_loads(sub, np.where(heavy, es, -1), np.where(heavy, ls, -1))
     lk = np.where(lit, sub.module_costs, 0.0).sum(axis=1)
-    now = _shares_now(es, ls, ef, lf + lb, light)
-    aim = np.maximum(_CV_AIM * limit, _fluid_cv(hk, lk, now[:, None])[:, 0])
-    start = _towards(now, free, hk, lk, aim)
-    _, bounded = fluid_profile(fh, bh, fl, bl, np.maximum(upper, now), start, (hk, lk, aim))
+    now = _shares_now(es, ls, ef, lf + lb, light, m)
+    cv_aim = np.maximum(_CV_AIM * limit, _fluid_cv(hk, lk, now[:, None])[:, 0])
+    start = _towards(now, free, hk, lk, cv_aim)
+    spread = (hk, lk, cv_aim)
+    _, bounded = fluid_profile(fh, bh, fl, bl, np.maximum(upper, now), start, spread)
     # both profiles dealt: the free one's sets often end within the CV bound though its
     # fluid's CVs are above the aim (the heavy samples' microbatches), the bounded one's
     # where they do not
@@ -259,11 +264,10 @@ def _blind(values: np.ndarray, valid: np.ndarray, m: int) -> np.ndarray:
 def _capped(rp: Replicas, peaks: tuple[float, np.ndarray], aim: float = 1.0) -> Replicas:
     """``rp`` with its caps at ``aim`` of themselves and at most the ``peaks``."""
     tok, pat = peaks
-    return replace(
-        rp,
-        cap=tok if rp.cap is None else min(aim * rp.cap, tok),
-        patch_cap=pat if rp.patch_cap is None else np.minimum(aim * rp.patch_cap, pat),
-    )
+    tok = tok if rp.cap is None else min(aim * rp.cap, tok)
+    pat = pat if rp.patch_cap is None else np.minimum(aim * rp.patch_cap, pat)
+    # whole tokens and patches, as the caps the search reads (it takes them as integers)
+    return replace(rp, cap=int(np.floor(tok)), patch_cap=np.floor(pat).astype(np.int64))
 
 
 def _dealt(sub, es, ls, st, work, light, share, cur, limit):
@@ -276,22 +280,23 @@ def _dealt(sub, es, ls, st, work, light, share, cur, limit):
     return e2, l2, t2, (t2 < cur * (1 - 1e-9)) & fits & _within(sub, e2, l2, limit)
 
 
-def _upper(sub: Replicas, es, ls, heavy, light, aim: Replicas) -> np.ndarray:
+def _upper(sub: Replicas, es, ls, heavy, light, aimed: Replicas) -> np.ndarray:
     """[r, m] the largest share of the light work each microbatch may carry: its tokens
     (with the heavy samples' in its L set) and its patches (with theirs in its E set) within
-    ``aim``'s caps if the light samples' tokens and patches follow their work (they do not
-    exactly: the check after the deal holds the caps); no bound without caps."""
+    ``aimed``'s caps (:func:`_capped`: ``_CAP_AIM`` of the caller's caps and the batch's
+    :func:`_peaks`) if the light samples' tokens and patches follow their work (they do not
+    exactly: the check after the deal holds the caps)."""
     m = sub.m
     upper = np.full(es.shape[0:1] + (m,), np.inf)
-    if aim.cap is not None:
+    if aimed.cap is not None:
         held = slot_sums(ls, sub.tok.astype(np.float64), heavy, m)
         total = np.where(light, sub.tok, 0).sum(axis=1).astype(np.float64)
-        upper = (aim.cap - held) / np.maximum(total, 1.0)[:, None]
-    if aim.patch_cap is not None:
+        upper = (aimed.cap - held) / np.maximum(total, 1.0)[:, None]
+    if aimed.patch_cap is not None:
         pat = _patch_sizes(sub)
         held = slot_sums(es, pat, heavy, m)  # [r, m, E]
         total = np.where(light[..., None], pat, 0.0).sum(axis=1)  # [r, E]
-        room = (aim.patch_cap - held) / np.maximum(total, 1.0)[:, None, :]
+        room = (aimed.patch_cap - held) / np.maximum(total, 1.0)[:, None, :]
         upper = np.minimum(upper, np.where(total[:, None, :] > 0, room, np.inf).min(axis=2))
     return np.maximum(upper, 0.0)
 
@@ -341,10 +346,9 @@ def _deal(sub: Replicas, es, ls, work, light, share) -> tuple[np.ndarray, np.nda
     return e2, l2
 
 
-def _shares_now(es, ls, ef, with_l, light) -> np.ndarray:
+def _shares_now(es, ls, ef, with_l, light, m: int) -> np.ndarray:
     """[r, m] the share of the light work each microbatch carries in the sets (es, ls): a
     sample's E-set work (``ef``) where its E set is, the rest (``with_l``) where its L set is."""
-    m = int(max(es.max(initial=0), ls.max(initial=0))) + 1
     load = slot_sums(es, ef.sum(axis=2), light, m) + slot_sums(ls, with_l.sum(axis=2), light, m)
     return load / np.maximum(load.sum(axis=1, keepdims=True), 1e-300)
 
