@@ -170,9 +170,10 @@ def module_loads(rp: Replicas, eidx: np.ndarray, lidx: np.ndarray) -> np.ndarray
 
 
 def module_cv(loads: np.ndarray) -> np.ndarray:
-    """[R, K] per-microbatch CV of each module's ``loads`` [R, m, K] (0 where a module has none)."""
-    mean = loads.mean(axis=1)
-    return np.where(mean > 0, loads.std(axis=1) / np.where(mean > 0, mean, 1.0), 0.0)
+    """[..., K] per-microbatch CV of each module's ``loads`` [..., m, K] (0 where a module has
+    none)."""
+    mean = loads.mean(axis=-2)
+    return np.where(mean > 0, loads.std(axis=-2) / np.where(mean > 0, mean, 1.0), 0.0)
 
 
 def mountain_positions(load: np.ndarray) -> np.ndarray:

@@ -105,12 +105,14 @@ def fluid_profile(
     step, and stops once that step has halved more than ``_HALVINGS`` times."""
     r_count, m, s_count = fh.shape
     topo = _topo(m, s_count)
-    share = np.minimum(np.full((r_count, m), 1.0 / m), upper)
-    room = np.minimum(upper - share, 1.0)
-    short = np.maximum(1.0 - share.sum(axis=1), 0.0)[:, None]
-    share = np.minimum(share + room * short / np.maximum(room.sum(axis=1), 1e-12)[:, None], upper)
     if start is not None:
         share = start.copy()
+    else:
+        share = np.minimum(np.full((r_count, m), 1.0 / m), upper)
+        room = np.minimum(upper - share, 1.0)
+        short = np.maximum(1.0 - share.sum(axis=1), 0.0)[:, None]
+        spare = np.maximum(room.sum(axis=1), 1e-12)[:, None]
+        share = np.minimum(share + room * short / spare, upper)
 
     def times(a: np.ndarray, g: np.ndarray) -> np.ndarray:  # rows g, [g, P, m] -> [g, P]
         if compiled.enabled():
@@ -207,7 +209,7 @@ def lay_light_work(
     hk = module_loads(sub, np.where(heavy, es, -1), np.where(heavy, ls, -1))
     lk = np.where(lit, sub.module_costs, 0.0).sum(axis=1)
     now = _shares_now(es, ls, ef, lf + lb, light, m)
-    cv_aim = np.maximum(_CV_AIM * limit, _fluid_cv(hk, lk, now[:, None])[:, 0])
+    cv_aim = np.maximum(_CV_AIM * limit, _fluid_cv(hk, lk, now))
     start = _towards(now, free, hk, lk, cv_aim)
     spread = (hk, lk, cv_aim)
     _, bounded = fluid_profile(fh, bh, fl, bl, np.maximum(upper, now), start, spread)
@@ -287,17 +289,14 @@ def _upper(sub: Replicas, es, ls, heavy, light, aimed: Replicas) -> np.ndarray:
     :func:`_peaks`) if the light samples' tokens and patches follow their work (they do not
     exactly: the check after the deal holds the caps)."""
     m = sub.m
-    upper = np.full(es.shape[0:1] + (m,), np.inf)
-    if aimed.cap is not None:
-        held = slot_sums(ls, sub.tok.astype(np.float64), heavy, m)
-        total = np.where(light, sub.tok, 0).sum(axis=1).astype(np.float64)
-        upper = (aimed.cap - held) / np.maximum(total, 1.0)[:, None]
-    if aimed.patch_cap is not None:
-        pat = _patch_sizes(sub)
-        held = slot_sums(es, pat, heavy, m)  # [r, m, E]
-        total = np.where(light[..., None], pat, 0.0).sum(axis=1)  # [r, E]
-        room = (aimed.patch_cap - held) / np.maximum(total, 1.0)[:, None, :]
-        upper = np.minimum(upper, np.where(total[:, None, :] > 0, room, np.inf).min(axis=2))
+    held = slot_sums(ls, sub.tok.astype(np.float64), heavy, m)
+    total = np.where(light, sub.tok, 0).sum(axis=1).astype(np.float64)
+    upper = (aimed.cap - held) / np.maximum(total, 1.0)[:, None]
+    pat = _patch_sizes(sub)
+    held = slot_sums(es, pat, heavy, m)  # [r, m, E]
+    total = np.where(light[..., None], pat, 0.0).sum(axis=1)  # [r, E]
+    room = (aimed.patch_cap - held) / np.maximum(total, 1.0)[:, None, :]
+    upper = np.minimum(upper, np.where(total[:, None, :] > 0, room, np.inf).min(axis=2))
     return np.maximum(upper, 0.0)
 
 
@@ -316,8 +315,7 @@ def _deal(sub: Replicas, es, ls, work, light, share) -> tuple[np.ndarray, np.nda
     pat_s = _patch_sizes(sub)
     pat = slot_sums(es, pat_s, heavy, m)  # [r, m, E]
     count = slot_sums(ls, np.ones(ls.shape), heavy, m)
-    cap = np.inf if sub.cap is None else float(sub.cap)
-    pcap = np.full(pat.shape[2], np.inf) if sub.patch_cap is None else sub.patch_cap + 0.5
+    cap, pcap = float(sub.cap), sub.patch_cap + 0.5  # set by _capped
     order = np.argsort(np.where(light, -work, np.inf), axis=1, kind="stable")
     left = light.sum(axis=1)
     tok_s = sub.tok.astype(np.float64)
@@ -354,28 +352,25 @@ def _shares_now(es, ls, ef, with_l, light, m: int) -> np.ndarray:
 
 
 def _fluid_cv(hk, lk, share) -> np.ndarray:
-    """[..., P, K] every module's per-microbatch CV of the loads ``hk + share * lk`` (``hk``
-    [..., 1, m, K] or [..., m, K] the heavy samples' module loads, ``lk`` [..., 1, K] or
-    [..., K] the light work's totals, ``share`` [..., P, m])."""
-    if hk.ndim == 3:
-        hk, lk = hk[:, None], lk[:, None]
-    loads = hk + share[..., None] * lk[..., None, :]  # [..., P, m, K]
-    mean = loads.mean(axis=-2)
-    return np.where(mean > 0, loads.std(axis=-2) / np.where(mean > 0, mean, 1.0), 0.0)
+    """[..., K] every module's per-microbatch CV of the loads ``hk + share * lk`` (``hk``
+    [..., m, K] the heavy samples' module loads, ``lk`` [..., K] the light work's totals,
+    ``share`` [..., m]; the leading axes broadcast)."""
+    return module_cv(hk + share[..., None] * lk[..., None, :])
 
 
 def _towards(now, free, hk, lk, aim) -> np.ndarray:
     """[r, m] the point furthest from ``now`` towards ``free`` whose fluid CVs stay within
     ``aim`` (bisection: the CV bound is convex in the shares and ``now`` is within it, so the
     points within it form one stretch of the line)."""
-    lo, hi = np.zeros(len(now)), np.ones(len(now))
-    ok = (_fluid_cv(hk, lk, free[:, None])[:, 0] <= aim + 1e-12).all(axis=1)
-    lo[ok] = 1.0
-    for _ in range(_BISECTIONS):
-        t = np.where(ok, 1.0, (lo + hi) / 2)
-        pt = now + t[:, None] * (free - now)
-        fine = (_fluid_cv(hk, lk, pt[:, None])[:, 0] <= aim + 1e-12).all(axis=1)
-        lo, hi = np.where(fine, t, lo), np.where(fine, hi, t)
+
+    def fine(t):  # [r] the point at t [r] within the bound
+        return (_fluid_cv(hk, lk, now + t[:, None] * (free - now)) <= aim + 1e-12).all(axis=1)
+
+    lo, hi = fine(np.ones(len(now))).astype(np.float64), np.ones(len(now))
+    for _ in range(_BISECTIONS):  # where the free profile is within, lo = hi = 1 stays
+        t = (lo + hi) / 2
+        ok = fine(t)
+        lo, hi = np.where(ok, t, lo), np.where(ok, hi, t)
     return now + lo[:, None] * (free - now)
 
 
