@@ -5,9 +5,12 @@ Kept apart from the measuring loop so each file reads on its own.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import torch
 
+from entrain_data.assignment.pipeline_search import proxy_stage_shares
 from entrain_data.calibration import Calibration
 from entrain_data.cost_model import calibrate
 from entrain_data.simulator import ideal_iteration_time, lower_bound, simulate_pipeline
@@ -31,6 +34,38 @@ def _fit(table, spec, module, groups, seconds, phase) -> dict:
     return fit.to_dict()
 
 
+def _module_times(x: dict, names: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """A microbatch's measured forward and backward per module (encoders in order, then
+    the LLM); an encoder's backward is the one that runs with this LLM set (``bwd_arrival``)."""
+    enc = x["per_encoder"]
+    fwd = np.array([enc[n]["fwd"] for n in names] + [x["llm_fwd"]])
+    bwd = np.array([enc[n]["bwd_arrival"] for n in names] + [x["llm_bwd"]])
+    return fwd, bwd
+
+
+def _llm_split(k: int, x: dict) -> tuple[np.ndarray, np.ndarray]:
+    """1 encoder stage and K LLM stages, the LLM's times split evenly."""
+    fwd = np.concatenate([[x["encoder_fwd"]], np.full(k, x["llm_fwd"] / k)])
+    bwd = np.concatenate([[x["encoder_bwd_arrival"]], np.full(k, x["llm_bwd"] / k)])
+    return fwd, bwd
+
+
+def _share_split(shares: np.ndarray, names: list[str], x: dict) -> tuple[np.ndarray, np.ndarray]:
+    """Stage s does ``shares[s, k]`` of module k's measured work (shares [S, modules])."""
+    fwd, bwd = _module_times(x, names)
+    return shares @ fwd, shares @ bwd
+
+
+def _stage_times(rec: list[dict], it: int, dp: int, m: int, split) -> tuple:
+    """[dp, m, stages] forward and backward times of iteration ``it``'s microbatches."""
+    stages = len(split(rec[0])[0])
+    fwd, bwd = np.zeros((dp, m, stages)), np.zeros((dp, m, stages))
+    for x in rec:
+        if x["iteration"] == it:
+            fwd[x["replica"], x["microbatch"]], bwd[x["replica"], x["microbatch"]] = split(x)
+    return fwd, bwd
+
+
 def report(a, spec, table, methods, per, params, device) -> dict:
     out: dict = {
         "config": {
@@ -52,6 +87,7 @@ def report(a, spec, table, methods, per, params, device) -> dict:
             "dtype": a.dtype,
             "recompute": a.recompute,
             "seed": a.seed,
+            "pp": a.pp,
             "methods": methods,
         },  # fmt: skip
         "model": {"spec": spec.to_dict(), "parameters": params},
@@ -102,34 +138,37 @@ def report(a, spec, table, methods, per, params, device) -> dict:
         {"hardware": f"measured:{out['config']['gpu'] or device}", "modules": step_fits}
     ).to_dict()
     # pipeline simulation: 1 encoder stage + K LLM stages (LLM times split evenly)
+    splits = {
+        str(k): partial(_llm_split, k)
+        for k in (int(s) for s in a.llm_stages.split(",") if s.strip())
+    }
+    if a.pp:  # the told depth, the modules laid over the stages as entrain's proxy lays them
+        names = [c.name for c in spec.encoders]
+        totals = np.sum(
+            [_module_times(x, names)[0] + _module_times(x, names)[1] for x in allrec], 0
+        )
+        splits[f"pp{a.pp}"] = partial(_share_split, proxy_stage_shares(totals, a.pp), names)
     sim: dict = {}
-    for k in [int(s) for s in a.llm_stages.split(",") if s.strip()]:
-        sim[str(k)] = {}
+    for key, split in splits.items():
+        sim[key] = {}
         for m in methods:
             times, ideals, bounds = [], [], []
             for it in range(a.iterations):
-                fwd = np.zeros((a.dp, a.microbatches, 1 + k))
-                bwd = np.zeros_like(fwd)
-                for x in per[m]:
-                    if x["iteration"] != it:
-                        continue
-                    r, j = x["replica"], x["microbatch"]
-                    fwd[r, j, 0], bwd[r, j, 0] = x["encoder_fwd"], x["encoder_bwd_arrival"]
-                    fwd[r, j, 1:], bwd[r, j, 1:] = x["llm_fwd"] / k, x["llm_bwd"] / k
+                fwd, bwd = _stage_times(per[m], it, a.dp, a.microbatches, split)
                 times.append(simulate_pipeline(fwd, bwd, "1f1b").iteration_time)
                 ideals.append(ideal_iteration_time(fwd, bwd, "1f1b"))
                 bounds.append(lower_bound(fwd, bwd))
-            sim[str(k)][m] = {
+            sim[key][m] = {
                 "iteration_time_s": float(np.mean(times)),
                 "per_iteration_s": [float(t) for t in times],
                 "ideal_s": float(np.mean(ideals)),
                 "lower_bound_s": float(np.mean(bounds)),
             }
         if "sequential" in methods:
-            base = sim[str(k)]["sequential"]["iteration_time_s"]
+            base = sim[key]["sequential"]["iteration_time_s"]
             for m in methods:
-                t = sim[str(k)][m]["iteration_time_s"]
-                sim[str(k)][m]["speedup_vs_sequential"] = base / t if t > 0 else None
+                t = sim[key][m]["iteration_time_s"]
+                sim[key][m]["speedup_vs_sequential"] = base / t if t > 0 else None
     out["simulation"] = sim
     return out
 
@@ -156,7 +195,10 @@ def print_table(res: dict) -> None:
         for phase, f in d.items():
             txt = f.get("error") or f"rel_rms {f['rel_rms']:.3f}  R^2 {f['r2']:.3f}"
             print(f"  {mod:<28}{phase:<9}{txt}")
-    print("simulated 1F1B iteration (1 encoder stage + K LLM stages), seconds:")
+    print(
+        "simulated 1F1B iteration (K=k: 1 encoder stage + k LLM stages; K=ppN: N stages laid"
+        " as entrain's proxy lays them), seconds:"
+    )
     for k, d in res["simulation"].items():
         cells = "  ".join(
             f"{m} {v['iteration_time_s']:.4f}"

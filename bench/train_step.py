@@ -226,6 +226,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--defer-budget", type=int, default=None)
     p.add_argument("--llm-stages", default="1,2,3", help="LLM pipeline stages to simulate")
+    p.add_argument(
+        "--pp",
+        type=int,
+        default=0,
+        help="the plan's pipeline depth: entrain is told it (assign(pipeline_stages=)) and the "
+        "report also simulates it, each microbatch's measured times split over the stages as "
+        "the planner lays the modules (0: not told)",
+    )
     p.add_argument("--vision-layers", type=int, default=None)
     p.add_argument(
         "--vision-preset",
@@ -254,6 +262,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.repeats < 1:
         p.error(f"--repeats must be >= 1, got {a.repeats}")
+    if a.pp < 0:
+        p.error(f"--pp must be >= 0, got {a.pp}")
     tiny_defaults = dict(
         global_batch=8, dp=2, microbatches=2, iterations=1, warmup=1, text_scale=16
     )
@@ -388,6 +398,7 @@ def main(argv: list[str] | None = None) -> dict:
                 enc_cost[rows], llm_cost[rows], tokens[rows], dp=a.dp,
                 microbatches=a.microbatches, max_tokens=a.max_tokens,
                 defer_budget=a.defer_budget, method=m, seed=a.seed, iteration=it,
+                pipeline_stages=a.pp or None,
             )  # fmt: skip
             assignments[(m, it)] = (rows, asg)
 

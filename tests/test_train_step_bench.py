@@ -291,3 +291,25 @@ def test_capped_vision_preset_prices_what_the_model_runs():
     assert grids.prod(axis=1).max() <= 1280 * cfg.merge**2
     with pytest.raises(ValueError, match="vision_preset"):
         train_step.bench_spec(tiny=False, vision_preset="siglip-so400m")
+
+
+@pytest.mark.timeout(180)
+def test_told_depth_is_simulated_with_the_proxy_layout(tmp_path):
+    """--pp N tells entrain the depth and simulates N stages laid as its proxy lays them,
+    each microbatch's measured work split over the stages without loss."""
+    out = tmp_path / "ts.json"
+    res = train_step.main(["--device", "cpu", "--tiny", "--pp", "3", "--out", str(out)])
+    assert res["config"]["pp"] == 3
+    sims = res["simulation"]["pp3"]
+    for m, v in sims.items():
+        assert v["iteration_time_s"] >= v["lower_bound_s"] * (1 - 1e-9), m
+    rep = sys.modules["_train_step_report"]
+    names = [c.name for c in train_step.bench_spec(tiny=True).encoders]
+    x = res["methods"]["entrain"]["microbatches"][0]
+    fwd, bwd = rep._module_times(x, names)
+    shares = rep.proxy_stage_shares(np.array([3.0, 1.0]), 3)
+    s_fwd, s_bwd = rep._share_split(shares, names, x)
+    assert len(s_fwd) == 3 and s_fwd.sum() == pytest.approx(fwd.sum())
+    assert s_bwd.sum() == pytest.approx(bwd.sum())
+    with pytest.raises(SystemExit):
+        train_step.main(["--device", "cpu", "--tiny", "--pp", "-1", "--out", str(out)])
