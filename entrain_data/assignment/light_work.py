@@ -75,6 +75,7 @@ _TRIES = np.array([1.0, 0.25, 0.0625])  # ... at these shares of the largest mov
 _CV_AIM = 0.9  # the profile's CVs aim at most this near a random cut's (the deal adds some)
 _BISECTIONS = 12
 _BLIND_SPREAD = 1.0  # the layout's largest set: at least this many blind-cut deviations up
+_GOAL_MARGIN = 0.02  # a profile stops this far below the first replica left out (the deal's slack)
 
 
 def fluid_profile(
@@ -85,6 +86,7 @@ def fluid_profile(
     upper: np.ndarray,
     start: np.ndarray | None = None,
     spread: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+    goal: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(time [R], share [R, m]): the share of the light work each microbatch carries that
     minimises the 1F1B time of forward loads ``fh + share * fl`` and backward loads ``bh +
@@ -93,7 +95,8 @@ def fluid_profile(
     (where the bounds allow it), starting from even shares or ``start`` [R, m]. With
     ``spread`` = (hk [R, m, K], lk [R, K], limit [R, K]) every module's per-microbatch CV of
     the loads ``hk + share * lk`` stays within ``limit`` too (moves that leave it are not
-    taken: the start must be within it).
+    taken: the start must be within it). A replica whose time is at most ``goal`` [R] stops
+    there: nothing below it shortens the iteration.
 
     The time is a maximum of sums of loads linear in the shares (the longest path of the
     schedule), so it is convex in them, but not smooth: slopes alone stall at its kinks
@@ -129,8 +132,9 @@ def fluid_profile(
     step = np.full(r_count, _SLOPE_STEP / m)
     k = min(_PAIRS, m)
     eye = np.eye(m)
+    goal = np.zeros(r_count) if goal is None else goal
     for _ in range(_STEPS):
-        g = np.flatnonzero(step >= _SLOPE_STEP / m / 2**_HALVINGS)
+        g = np.flatnonzero((step >= _SLOPE_STEP / m / 2**_HALVINGS) & (cur > goal))
         if len(g) == 0:
             break
         a, rows = share[g], np.arange(len(g))
@@ -204,7 +208,9 @@ def lay_light_work(
     fl = np.where(lit, ef + lf, 0.0).sum(axis=1)
     bl = np.where(lit, lb, 0.0).sum(axis=1)
     upper = _upper(sub, es, ls, heavy, light, aimed)
-    _, free = fluid_profile(fh, bh, fl, bl, upper)
+    # the iteration waits for the replicas left out: a profile below them gains nothing
+    goal = np.full(count, ceiling * (1 - _GOAL_MARGIN))
+    _, free = fluid_profile(fh, bh, fl, bl, upper, goal=goal)
     limit = random_cut_cv(sub.module_costs, sub.valid, m)
     hk = module_loads(sub, np.where(heavy, es, -1), np.where(heavy, ls, -1))
     lk = np.where(lit, sub.module_costs, 0.0).sum(axis=1)
@@ -212,7 +218,7 @@ def lay_light_work(
     cv_aim = np.maximum(_CV_AIM * limit, _fluid_cv(hk, lk, now))
     start = _towards(now, free, hk, lk, cv_aim)
     spread = (hk, lk, cv_aim)
-    _, bounded = fluid_profile(fh, bh, fl, bl, np.maximum(upper, now), start, spread)
+    _, bounded = fluid_profile(fh, bh, fl, bl, np.maximum(upper, now), start, spread, goal)
     # both profiles dealt: the free one's sets often end within the CV bound though its
     # fluid's CVs are above the aim (the heavy samples' microbatches), the bounded one's
     # where they do not
