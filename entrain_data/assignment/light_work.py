@@ -38,7 +38,11 @@ waits for its slowest replica, so it runs on the slowest replicas only: at most 
 and not at all where the first replica left out runs within ``_ROOM`` of the slowest (the
 iteration could not get shorter by more; at 8192 / dp 128, on 8 replicas holding outliers,
 it cost 30-45 ms an assignment for 0.1-0.5% on a few rows; at 4096 / dp 16 on all 16 it
-takes the assignment from 49 to 121-124 ms). "Slowest" is among the replicas it is given: the stall
+takes the assignment from 49 to 121-124 ms). Where replicas are left out, each profile's
+descent stops ``_GOAL_MARGIN`` below the first of them (the iteration cannot get shorter than
+it): at 8192 / dp 128 the free profile went on to 4-14% below it and the deal to 2-11%, 80-140
+ms an assignment where it ran; stopped 4% below, 20-70 ms with the same balance bench figures
+(bench/RESULTS.md, twenty-first session). "Slowest" is among the replicas it is given: the stall
 shedding's level 2 of its givers gives it only those. It runs only where the plan's depth
 is told (untold, the proxy's depth is a guess, and a profile fitted to a guessed fill and
 drain is fitted to the wrong pipeline).
@@ -75,7 +79,8 @@ _TRIES = np.array([1.0, 0.25, 0.0625])  # ... at these shares of the largest mov
 _CV_AIM = 0.9  # the profile's CVs aim at most this near a random cut's (the deal adds some)
 _BISECTIONS = 12
 _BLIND_SPREAD = 1.0  # the layout's largest set: at least this many blind-cut deviations up
-_GOAL_MARGIN = 0.02  # a profile stops this far below the first replica left out (the deal's slack)
+_GOAL_MARGIN = 0.04  # a profile stops this far below the first replica left out (the deal's
+# slack: 2% lost up to 0.6% on a row of the bench at 8192 / dp 128, 4% none)
 
 
 def fluid_profile(
