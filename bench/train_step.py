@@ -232,7 +232,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         default=0,
         help="the plan's pipeline depth: entrain is told it (assign(pipeline_stages=)) and the "
         "report also simulates it, each microbatch's measured times split over the stages as "
-        "the planner lays the modules (0: not told)",
+        "entrain's proxy lays the modules (0: not told)",
     )
     p.add_argument("--vision-layers", type=int, default=None)
     p.add_argument(

@@ -40,8 +40,8 @@ iteration could not get shorter by more; at 8192 / dp 128, on 8 replicas holding
 it cost 30-45 ms an assignment for 0.1-0.5% on a few rows; at 4096 / dp 16 on all 16 it
 takes the assignment from 49 to 121-124 ms). Where replicas are left out, each profile's
 descent stops ``_GOAL_MARGIN`` below the first of them (the iteration cannot get shorter than
-it): at 8192 / dp 128 the free profile went on to 4-14% below it and the deal to 2-11%, 80-140
-ms an assignment where it ran; stopped 4% below, 20-70 ms with the same balance bench figures
+it): at 8192 / dp 128 the free profile went on to 4-14% below it and the deal to 2-11%, 75-145
+ms an assignment where it ran; stopped 4% below, 19-70 ms with the same balance bench figures
 (bench/RESULTS.md, twenty-first session). "Slowest" is among the replicas it is given: the stall
 shedding's level 2 of its givers gives it only those. It runs only where the plan's depth
 is told (untold, the proxy's depth is a guess, and a profile fitted to a guessed fill and
