@@ -5,8 +5,6 @@ Kept apart from the measuring loop so each file reads on its own.
 
 from __future__ import annotations
 
-from functools import partial
-
 import numpy as np
 import torch
 
@@ -43,26 +41,24 @@ def _module_times(x: dict, names: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return fwd, bwd
 
 
-def _llm_split(k: int, x: dict) -> tuple[np.ndarray, np.ndarray]:
-    """1 encoder stage and K LLM stages, the LLM's times split evenly."""
-    fwd = np.concatenate([[x["encoder_fwd"]], np.full(k, x["llm_fwd"] / k)])
-    bwd = np.concatenate([[x["encoder_bwd_arrival"]], np.full(k, x["llm_bwd"] / k)])
-    return fwd, bwd
+def _llm_shares(k: int, encoders: int) -> np.ndarray:
+    """[1 + k, modules] 1 encoder stage with every encoder, then K LLM stages with an even
+    share of the LLM each."""
+    shares = np.zeros((1 + k, encoders + 1))
+    shares[0, :encoders] = 1.0
+    shares[1:, -1] = 1.0 / k
+    return shares
 
 
-def _share_split(shares: np.ndarray, names: list[str], x: dict) -> tuple[np.ndarray, np.ndarray]:
-    """Stage s does ``shares[s, k]`` of module k's measured work (shares [S, modules])."""
-    fwd, bwd = _module_times(x, names)
-    return shares @ fwd, shares @ bwd
-
-
-def _stage_times(rec: list[dict], it: int, dp: int, m: int, split) -> tuple:
-    """[dp, m, stages] forward and backward times of iteration ``it``'s microbatches."""
-    stages = len(split(rec[0])[0])
-    fwd, bwd = np.zeros((dp, m, stages)), np.zeros((dp, m, stages))
+def _stage_times(rec: list[dict], it: int, dp: int, m: int, shares, names) -> tuple:
+    """[dp, m, stages] forward and backward times of iteration ``it``'s microbatches, stage s
+    doing ``shares[s, k]`` of module k's measured work (shares [stages, modules])."""
+    fwd, bwd = np.zeros((dp, m, len(shares))), np.zeros((dp, m, len(shares)))
     for x in rec:
         if x["iteration"] == it:
-            fwd[x["replica"], x["microbatch"]], bwd[x["replica"], x["microbatch"]] = split(x)
+            f, b = _module_times(x, names)
+            fwd[x["replica"], x["microbatch"]] = shares @ f
+            bwd[x["replica"], x["microbatch"]] = shares @ b
     return fwd, bwd
 
 
@@ -138,23 +134,21 @@ def report(a, spec, table, methods, per, params, device) -> dict:
         {"hardware": f"measured:{out['config']['gpu'] or device}", "modules": step_fits}
     ).to_dict()
     # pipeline simulation: 1 encoder stage + K LLM stages (LLM times split evenly)
-    splits = {
-        str(k): partial(_llm_split, k)
+    names = [c.name for c in spec.encoders]
+    layouts = {
+        str(k): _llm_shares(k, len(names))
         for k in (int(s) for s in a.llm_stages.split(",") if s.strip())
     }
     if a.pp:  # the told depth, the modules laid over the stages as entrain's proxy lays them
-        names = [c.name for c in spec.encoders]
-        totals = np.sum(
-            [_module_times(x, names)[0] + _module_times(x, names)[1] for x in allrec], 0
-        )
-        splits[f"pp{a.pp}"] = partial(_share_split, proxy_stage_shares(totals, a.pp), names)
+        totals = sum(np.add(*_module_times(x, names)) for x in allrec)
+        layouts[f"pp{a.pp}"] = proxy_stage_shares(totals, a.pp)
     sim: dict = {}
-    for key, split in splits.items():
+    for key, shares in layouts.items():
         sim[key] = {}
         for m in methods:
             times, ideals, bounds = [], [], []
             for it in range(a.iterations):
-                fwd, bwd = _stage_times(per[m], it, a.dp, a.microbatches, split)
+                fwd, bwd = _stage_times(per[m], it, a.dp, a.microbatches, shares, names)
                 times.append(simulate_pipeline(fwd, bwd, "1f1b").iteration_time)
                 ideals.append(ideal_iteration_time(fwd, bwd, "1f1b"))
                 bounds.append(lower_bound(fwd, bwd))

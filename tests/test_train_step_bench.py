@@ -308,8 +308,14 @@ def test_told_depth_is_simulated_with_the_proxy_layout(tmp_path):
     x = res["methods"]["entrain"]["microbatches"][0]
     fwd, bwd = rep._module_times(x, names)
     shares = rep.proxy_stage_shares(np.array([3.0, 1.0]), 3)
-    s_fwd, s_bwd = rep._share_split(shares, names, x)
+    c = res["config"]
+    f, b = rep._stage_times([x], x["iteration"], c["dp"], c["microbatches"], shares, names)
+    s_fwd, s_bwd = f[x["replica"], x["microbatch"]], b[x["replica"], x["microbatch"]]
     assert len(s_fwd) == 3 and s_fwd.sum() == pytest.approx(fwd.sum())
     assert s_bwd.sum() == pytest.approx(bwd.sum())
+    # the K-stage layouts are the same mechanism: every encoder on stage 0, the LLM even
+    k2 = rep._llm_shares(2, len(names))
+    assert k2 @ fwd == pytest.approx([x["encoder_fwd"], x["llm_fwd"] / 2, x["llm_fwd"] / 2])
+    assert k2 @ bwd == pytest.approx([x["encoder_bwd_arrival"], x["llm_bwd"] / 2, x["llm_bwd"] / 2])
     with pytest.raises(SystemExit):
         train_step.main(["--device", "cpu", "--tiny", "--pp", "-1", "--out", str(out)])
