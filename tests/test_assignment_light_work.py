@@ -182,7 +182,7 @@ def test_a_replica_takes_the_layout_only_where_it_is_faster_even_and_within_the_
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(en, "lay_light_work", spy)
         if not search:
-            mp.setattr(light_work, "refine_by_pipeline", lambda rp, e, lo, rng: (e, lo))
+            mp.setattr(light_work, "refine_by_pipeline", lambda rp, e, lo, rng, stage: (e, lo))
         assign(enc, llm, tok, pipeline_stages=4, **caps, **kw)
     changed = 0
     for rp, e, lo, e2, l2 in calls:

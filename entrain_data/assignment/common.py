@@ -22,6 +22,7 @@ __all__ = [
     "module_cv",
     "module_loads",
     "mountain_positions",
+    "random_cut_cv",
     "DEFAULT_PIPELINE_STAGES",
 ]
 
@@ -140,10 +141,24 @@ class Replicas:
         """Whether more than one encoder column carries work (their sum is a module then)."""
         return int((self.enc_cols != 0).any(axis=(0, 1)).sum()) > 1
 
+    @cached_property
+    def cut_cv(self) -> np.ndarray:
+        """[R, K] :func:`random_cut_cv` of :attr:`module_costs`: the yardstick of the score's
+        straggler rule, the search's CV limits and the light work's bound, once per value."""
+        return random_cut_cv(self.module_costs, self.valid, self.m)
+
     def take(self, replicas: np.ndarray) -> Replicas:
-        """The same value restricted to some replicas (rows), e.g. the slowest ones."""
+        """The same value restricted to some replicas (rows), e.g. the slowest ones, with the
+        batch's modules: where they are computed, :attr:`module_costs` and :attr:`cut_cv` are
+        taken along (each row's is its own) with :attr:`encoders_together` (a subset
+        without one encoder's work has the batch's modules still)."""
         arrays = ("members", "valid", "has_enc", "enc_cols", "enc_w", "llm", "tok", "patches")
-        return replace(self, **{k: getattr(self, k)[replicas] for k in arrays})
+        out = replace(self, **{k: getattr(self, k)[replicas] for k in arrays})
+        out.__dict__["encoders_together"] = self.encoders_together
+        for name in ("module_costs", "cut_cv"):
+            if name in self.__dict__:
+                out.__dict__[name] = self.__dict__[name][replicas]
+        return out
 
 
 @dataclass(frozen=True, eq=False)
@@ -174,6 +189,19 @@ def module_cv(loads: np.ndarray) -> np.ndarray:
     none)."""
     mean = loads.mean(axis=-2)
     return np.where(mean > 0, loads.std(axis=-2) / np.where(mean > 0, mean, 1.0), 0.0)
+
+
+def random_cut_cv(cost: np.ndarray, valid: np.ndarray, m: int) -> np.ndarray:
+    """[R, K] expected per-microbatch CV of each module (``cost`` [R, n, K]) when a replica's
+    samples are cut into ``m`` equal-count microbatches at random: what a method that does not
+    look at costs gets, the yardstick for how much unevenness is small."""
+    n = np.maximum(valid.sum(axis=1), 1).astype(np.float64)[:, None]  # [R, 1]
+    c = np.where(valid[..., None], cost, 0.0)
+    mean = c.sum(axis=1) / n
+    var = (np.where(valid[..., None], c - mean[:, None, :], 0.0) ** 2).sum(axis=1) / n
+    rel = np.sqrt(var) / np.where(mean > 0, mean, 1.0)
+    # a microbatch of n/m samples drawn without replacement: CV = rel * sqrt((1 - 1/m) m / n)
+    return np.where(mean > 0, rel * np.sqrt((1 - 1 / m) * m / np.maximum(n, m)), 0.0)
 
 
 def mountain_positions(load: np.ndarray) -> np.ndarray:

@@ -110,7 +110,6 @@ from .llm_sets import (
 from .pipeline_search import (
     depth_blind_pricer,
     proxy_times,
-    random_cut_cv,
     refine_slowest,
     stage_costs,
 )
@@ -157,19 +156,21 @@ _VECTOR_ROUNDS = 4  # refine_vector steps per microbatch on the vector candidate
 _SHAPE_GAIN = 0.003
 
 
-def _score(loads: np.ndarray, profile=None):
+def _score(loads: np.ndarray, profile=None, cv=None):
     """[R] how unbalanced a candidate is: the sum over modules (each encoder from E, the
     LLM from L) of the squared CV of per-microbatch load (``loads`` [R, m, K],
     :func:`.common.module_loads`), plus the worst peak/mean as a small tie-break. Squared CVs
     favour candidates with no badly balanced module. A shaped candidate's loads are
     measured against its ``profile`` [R, m, K] (the shape it aims at). Also returns the
-    worst encoder column's CV (encoder balance comes first)."""
+    worst encoder column's CV (encoder balance comes first). ``cv``: :func:`.common.module_cv`
+    of ``loads`` where the caller has it (an even candidate's CVs are the score's)."""
     r_count = loads.shape[0]
     if profile is not None:  # balance against the intended shape
-        loads = loads / profile
+        loads, cv = loads / profile, None
     mean = loads.mean(axis=1)
     safe = np.where(mean > 0, mean, 1.0)
-    cv = np.where(mean > 0, loads.std(axis=1) / safe, 0.0)  # [R, K]
+    if cv is None:
+        cv = np.where(mean > 0, loads.std(axis=1) / safe, 0.0)  # [R, K]
     edge = np.maximum(loads[:, 0], loads[:, -1]) / safe - 1.0
     edge = np.where(mean > 0, np.maximum(edge, 0.0), 0.0)
     worst = np.where(mean > 0, loads.max(axis=1) / safe, 1.0).max(axis=1)
@@ -386,12 +387,13 @@ def _pick(
     enc_ref = None
     scored = []
     shaped = []
-    loads = []  # [R, m, K] per candidate: its score and the straggler rule's CVs read them
+    cvs = []  # [R, K] per candidate: its modules' CVs, which the straggler rule reads
     for c in cands:
         e_eff = np.where(has_enc, c.eidx, c.lidx)
         failed = c.failed | ~fits_patches(rp, e_eff)
-        loads.append(module_loads(rp, e_eff, c.lidx))
-        sc, ecv = _score(loads[-1], c.profile)
+        loads = module_loads(rp, e_eff, c.lidx)
+        cvs.append(module_cv(loads))
+        sc, ecv = _score(loads, c.profile, cvs[-1])
         if enc_ref is None:  # the first candidate's encoder sets are LPT-tight: the reference
             enc_ref = np.where(failed, np.inf, ecv)
         failed |= empty_llm_set(c.lidx, valid, m)
@@ -440,7 +442,7 @@ def _pick(
         take = sh_key < best_key * (1 - _SHAPE_GAIN)
         best_key = np.where(take, sh_key, best_key)
         pick = np.where(take, sh, pick)
-    pick, best_key = _stragglers(rp, scored, loads, keys, pick, best_key, price)
+    pick, best_key = _stragglers(rp, scored, cvs, keys, pick, best_key, price)
     eidx = np.zeros_like(cands[0].eidx)
     lidx = np.zeros_like(eidx)
     for i, (e_eff, cl, _, _) in enumerate(scored):
@@ -473,9 +475,9 @@ def _price(rp: Replicas, stage: StageCosts):
     return depth_blind_pricer(rp)
 
 
-def _stragglers(rp: Replicas, scored, loads, keys, pick, best_key, price):
+def _stragglers(rp: Replicas, scored, cvs, keys, pick, best_key, price):
     """[R] pick and price, revised where the slowest replicas can be faster (``price``: the
-    pick's, :func:`_price`; ``loads``: each candidate's :func:`.common.module_loads`).
+    pick's, :func:`_price`; ``cvs``: each candidate's modules' CVs [R, K]).
 
     The iteration lasts as long as its slowest replica, so balance first is right for
     every replica but those that set the time. The floor is the slowest replica's best
@@ -490,8 +492,7 @@ def _stragglers(rp: Replicas, scored, loads, keys, pick, best_key, price):
     balanced (lowest score); the others keep their pick. Where the slowest replica cannot
     be faster nothing changes.
     """
-    cvs = [module_cv(ld) for ld in loads]  # [R, K] per candidate
-    bound = _STRAGGLER_CV * random_cut_cv(rp.module_costs, rp.valid, rp.m)
+    bound = _STRAGGLER_CV * rp.cut_cv
     if rp.depth_known:  # priced on the plan's depth; a hedged price keeps the bound as is
         usable = [
             np.where(np.isfinite(sc)[:, None], cv, np.inf) for cv, (*_, sc, _) in zip(cvs, scored)

@@ -216,7 +216,7 @@ def lay_light_work(
     # the iteration waits for the replicas left out: a profile below them gains nothing
     goal = np.full(count, ceiling * (1 - _GOAL_MARGIN))
     _, free = fluid_profile(fh, bh, fl, bl, upper, goal=goal)
-    limit = random_cut_cv(sub.module_costs, sub.valid, m)
+    limit = sub.cut_cv
     hk = module_loads(sub, np.where(heavy, es, -1), np.where(heavy, ls, -1))
     lk = np.where(lit, sub.module_costs, 0.0).sum(axis=1)
     now = _shares_now(es, ls, ef, lf + lb, light, m)
@@ -238,12 +238,9 @@ def lay_light_work(
         return eidx, lidx
     eidx, lidx = eidx.copy(), lidx.copy()
     sub = rp.take(taken)
-    e_s, l_s = refine_by_pipeline(sub, e2[ok], l2[ok], rng)
-    # the search's CV limits follow its start, and it prices on its own replicas' stage
-    # layout: hold the random cut's bound and this call's proxy time after it too
-    st = (ef[ok], lf[ok], lb[ok])
+    e_s, l_s = refine_by_pipeline(sub, e2[ok], l2[ok], rng, stage=(ef[ok], lf[ok], lb[ok]))
+    # the search's CV limits follow its start: hold the random cut's bound after it too
     keep = _within(sub, e_s, l_s, limit[ok])
-    keep &= proxy_times(sub, e_s, l_s, st) <= t2[ok]
     eidx[taken] = np.where(keep[:, None], e_s, e2[ok])
     lidx[taken] = np.where(keep[:, None], l_s, l2[ok])
     return eidx, lidx

@@ -38,11 +38,11 @@ def llm_sets_fill(
     big = np.iinfo(np.int64).max // 4
     cap_v = big if cap is None else cap
     prof = np.ones((r_count, m)) if profile is None else np.asarray(profile, np.float64)
-    # what is left of the profile from j on (both paths divide by these same sums)
+    # what is left of the profile from j on (both paths divide by these same sums), each
+    # added from p_j up as before: m array additions, not m^2 / 2
     tail = np.zeros((r_count, m))
-    for j in range(m):
-        for k in range(j, m):
-            tail[:, j] += prof[:, k]
+    for k in range(m):
+        tail[:, : k + 1] += prof[:, k : k + 1]
     if compiled.enabled() and n > 0:
         from . import sets_kernel  # numba is imported with it
 

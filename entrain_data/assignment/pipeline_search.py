@@ -45,7 +45,7 @@ import numpy as np
 
 from .. import compiled
 from ..simulator import simulate_pipeline, topological_order
-from .common import DEFAULT_PIPELINE_STAGES, Replicas, module_cv, slot_sums
+from .common import DEFAULT_PIPELINE_STAGES, Replicas, module_cv, random_cut_cv, slot_sums
 
 __all__ = [
     "UNKNOWN_DEPTHS",
@@ -122,7 +122,12 @@ def proxy_stage_shares(
 
 
 def cv_limits(
-    cv0: np.ndarray, cost: np.ndarray, valid: np.ndarray, m: int, outlier: np.ndarray | None = None
+    cv0: np.ndarray,
+    cost: np.ndarray,
+    valid: np.ndarray,
+    m: int,
+    outlier: np.ndarray | None = None,
+    cut: np.ndarray | None = None,
 ) -> np.ndarray:
     """[R, K] the per-microbatch CV each module may reach in the search: its start's CV plus
     a share (``_CV_SLACK``, ``_LLM_CV_SLACK`` for the LLM, the last column) and
@@ -140,27 +145,16 @@ def cv_limits(
     a sample heavier than a mean microbatch, the share there is ``_OUTLIER_SHARE``: that
     microbatch is heavy on the module whatever the cut, and 1F1B runs it fastest with the
     light work in the microbatches beside it, little at the edges, rather than the rest
-    spread evenly (:func:`refine_by_pipeline`).
+    spread evenly (:func:`refine_by_pipeline`). ``cut``: :func:`.common.random_cut_cv` of
+    ``cost``, where the caller has it (:attr:`.common.Replicas.cut_cv`).
     """
     slack = np.full(cv0.shape[-1], _CV_SLACK)
     slack[-1] = _LLM_CV_SLACK
     share = np.full(cv0.shape, _RANDOM_SHARE)
     if outlier is not None:
         share[outlier] = _OUTLIER_SHARE
-    return np.maximum(cv0 * (1 + slack) + _CV_FLOOR, share * random_cut_cv(cost, valid, m))
-
-
-def random_cut_cv(cost: np.ndarray, valid: np.ndarray, m: int) -> np.ndarray:
-    """[R, K] expected per-microbatch CV of each module (``cost`` [R, n, K]) when a replica's
-    samples are cut into ``m`` equal-count microbatches at random: what a method that does not
-    look at costs gets, the yardstick for how much unevenness is small."""
-    n = np.maximum(valid.sum(axis=1), 1).astype(np.float64)[:, None]  # [R, 1]
-    c = np.where(valid[..., None], cost, 0.0)
-    mean = c.sum(axis=1) / n
-    var = (np.where(valid[..., None], c - mean[:, None, :], 0.0) ** 2).sum(axis=1) / n
-    rel = np.sqrt(var) / np.where(mean > 0, mean, 1.0)
-    # a microbatch of n/m samples drawn without replacement: CV = rel * sqrt((1 - 1/m) m / n)
-    return np.where(mean > 0, rel * np.sqrt((1 - 1 / m) * m / np.maximum(n, m)), 0.0)
+    cut = random_cut_cv(cost, valid, m) if cut is None else cut
+    return np.maximum(cv0 * (1 + slack) + _CV_FLOOR, share * cut)
 
 
 def outliers(cost: np.ndarray, m: int) -> np.ndarray:
@@ -305,7 +299,12 @@ def _pipeline_times(fwd: np.ndarray, bwd: np.ndarray, topo: np.ndarray) -> np.nd
 
 def _proxy_loads(eidx, lidx, ef, lf, lb, valid, m):
     """[R, M, S] forward and backward proxy loads; the two L-set sums in one pass (each sum
-    adds the same members in the same order as two passes would)."""
+    adds the same members in the same order as two passes would); compiled, the three."""
+    if compiled.enabled() and eidx.size:
+        from .search_kernel import proxy_loads  # numba is imported with it
+
+        c = np.ascontiguousarray
+        return proxy_loads(eidx, lidx, c(ef), c(lf), c(lb), valid, m)
     s = lf.shape[-1]
     both = _loads(lidx, np.concatenate([lf, lb], axis=-1), valid, m)
     return _loads(eidx, ef, valid, m) + both[..., :s], both[..., s:]
@@ -337,17 +336,19 @@ def refine_slowest(
     under-explored (text-heavy/vl-1b-1280 at 8192 / dp 128: 1.1% of iteration time).
     ``stage``: :func:`stage_costs` of ``rp`` where the caller has them."""
     r_count = rp.llm.shape[0]
-    if r_count <= _LAST_FOCUS:
-        return refine_by_pipeline(rp, eidx, lidx, rng)
     stage = stage_costs(rp) if stage is None else stage
+    if r_count <= _LAST_FOCUS:
+        return refine_by_pipeline(rp, eidx, lidx, rng, stage=stage)
     if r_count <= _FOCUS:
-        eidx, lidx = refine_by_pipeline(rp, eidx, lidx, rng)
+        eidx, lidx = refine_by_pipeline(rp, eidx, lidx, rng, stage=stage)
     else:
         eidx, lidx = _focused_passes(rp, eidx, lidx, rng, stage)
     eidx, lidx = eidx.copy(), lidx.copy()
     cur = proxy_times(rp, eidx, lidx, stage)
     act = np.sort(np.argsort(-cur, kind="stable")[:_LAST_FOCUS])
-    e_a, l_a = refine_by_pipeline(rp.take(act), eidx[act], lidx[act], rng, _LAST_ROUNDS)
+    e_a, l_a = refine_by_pipeline(
+        rp.take(act), eidx[act], lidx[act], rng, _LAST_ROUNDS, stage=_rows(stage, act)
+    )
     eidx[act], lidx[act] = e_a, l_a
     return eidx, lidx
 
@@ -358,9 +359,18 @@ def _focused_passes(rp, eidx, lidx, rng, stage):
     for _ in range(_ROUNDS // _PASS_ROUNDS):
         cur = proxy_times(rp, eidx, lidx, stage)
         act = np.sort(np.argsort(-cur, kind="stable")[:_FOCUS])
-        e_a, l_a = refine_by_pipeline(rp.take(act), eidx[act], lidx[act], rng, _PASS_ROUNDS)
+        e_a, l_a = refine_by_pipeline(
+            rp.take(act), eidx[act], lidx[act], rng, _PASS_ROUNDS, stage=_rows(stage, act)
+        )
         eidx[act], lidx[act] = e_a, l_a
     return eidx, lidx
+
+
+def _rows(stage, rows: np.ndarray):
+    """``stage``'s (ef, lf, lb) of some replicas: a subset is searched on the batch's stage
+    layout, the one its replicas are ranked and priced on (laid out on the subset's own
+    module totals, the four slowest replicas were searched on a slightly other pipeline)."""
+    return tuple(s[rows] for s in stage)
 
 
 def refine_by_pipeline(
@@ -370,13 +380,15 @@ def refine_by_pipeline(
     rng: np.random.Generator,
     rounds: int | None = None,
     candidates: int = _CANDIDATES,
+    stage: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Improved ([R, n] E microbatch, [R, n] L microbatch) under every invariant.
 
     The objective is the proxy pipeline's iteration time per replica, under the
     limit on every module's per-microbatch CV. Inputs must already
     satisfy the invariants (L >= E, E == L for samples without encoder work, the
-    token cap, the patch cap and the budget); so do the outputs.
+    token cap, the patch cap and the budget); so do the outputs. ``stage``: the (ef, lf,
+    lb) of :func:`stage_costs` for ``rp``'s replicas, where the caller has them.
     """
     valid, has_enc, llm, tok = rp.valid, rp.has_enc, rp.llm, rp.tok
     m, cap, budget = rp.m, rp.cap, rp.budget
@@ -385,7 +397,7 @@ def refine_by_pipeline(
     if m < 2 or n == 0 or rounds <= 0:
         return eidx, lidx
     eidx, lidx = eidx.copy(), lidx.copy()
-    ef, lf, lb = stage_costs(rp)
+    ef, lf, lb = stage_costs(rp) if stage is None else stage
     fwd, bwd = _proxy_loads(eidx, lidx, ef, lf, lb, valid, m)
     cur = _replica_times(fwd, bwd)  # [R]
     big = np.iinfo(np.int64).max // 4
@@ -416,7 +428,7 @@ def refine_by_pipeline(
     # the room fits the light work to the proxy's depth: only where that is the plan's (the
     # search runs on 4 stages where none is given; run on 8, the 4-stage shape lost up to 3.5%)
     outlier = outliers(cost, m) & rp.depth_known  # [R, K]
-    cv_lim = cv_limits(cv0, cost, valid, m, outlier)
+    cv_lim = cv_limits(cv0, cost, valid, m, outlier, rp.cut_cv)
     ss_lim = m * mean**2 * (1 + cv_lim**2) * (1 + 1e-12)
     step = _round_numpy
     if compiled.enabled():
@@ -436,18 +448,19 @@ def refine_by_pipeline(
         cap_r[even] = min(cap_v, int(t_load.max()))
     state = (fwd, bwd, mod, t_load, l_count, p_load, waiting, cur)
     per_sample = (eidx, lidx, has_enc, tok.astype(np.int64), wait_tok, p_samp, ef, lf, lb)
+    # every round's draws at once (one generator call: per round, four cost more than the
+    # compiled round itself): two samples per candidate (the second only moves in a swap),
+    # the move's kind (0: move L, 1: move E, 2: swap) and its position
+    draws = rng.random((rounds, 4, r_count, k_count))
+    picks = (draws[:, :2] * n_valid[:, None]).astype(np.int64)
+    picks = order[rows[:, None], picks]  # [rounds, 2, R, K] the valid members first
+    kinds = (draws[:, 2] * 3).astype(np.int64)
     idle = 0
-    for _ in range(rounds):
+    for i in range(rounds):
         if idle >= _PATIENCE:  # no replica found a better move for this many rounds
             break
         idle += 1
-        # two samples per candidate (the second only moves in a swap)
-        a = (rng.random((r_count, k_count)) * n_valid[:, None]).astype(np.int64)
-        b = (rng.random((r_count, k_count)) * n_valid[:, None]).astype(np.int64)
-        a = order[rows[:, None], a]
-        b = order[rows[:, None], b]
-        kind = rng.integers(0, 3, (r_count, k_count))  # 0: move L, 1: move E, 2: swap
-        u = rng.random((r_count, k_count))
+        a, b, kind, u = picks[i, 0], picks[i, 1], kinds[i], draws[i, 3]
         moved = step(
             a, b, kind, u, *per_sample, mod_e, llm, *state,
             ss_lim, cap_r, bud_v, p_cap, pcap is not None, budget is not None, topo,

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..compiled import jit
 
-__all__ = ["deal_light", "fluid_times", "recurrence", "search_round"]
+__all__ = ["deal_light", "fluid_times", "proxy_loads", "recurrence", "search_round"]
 
 
 @jit
@@ -63,6 +63,31 @@ def recurrence(fwd, bwd, topo):
     for r in range(r_count):
         out[r] = _simulate_one(fwd[r], bwd[r], topo, f_end, b_end, free)
     return out
+
+
+@jit
+def proxy_loads(eidx, lidx, ef, lf, lb, valid, m):
+    """[R, M, S] forward and backward proxy loads of :func:`.pipeline_search._proxy_loads`:
+    the three slot sums in one pass over the members (each in member order, as
+    :func:`.common.slot_sums` adds them), the forward the E sets' sum plus the L sets'."""
+    r_count, n, s_count = ef.shape
+    fe = np.zeros((r_count, m, s_count))
+    fl = np.zeros((r_count, m, s_count))
+    bl = np.zeros((r_count, m, s_count))
+    for r in range(r_count):
+        for i in range(n):
+            if not valid[r, i]:
+                continue
+            j = eidx[r, i]
+            if j >= 0:
+                for s in range(s_count):
+                    fe[r, j, s] += ef[r, i, s]
+            k = lidx[r, i]
+            if k >= 0:
+                for s in range(s_count):
+                    fl[r, k, s] += lf[r, i, s]
+                    bl[r, k, s] += lb[r, i, s]
+    return fe + fl, bl
 
 
 @jit

@@ -67,7 +67,7 @@ def shape_amplitudes(rp: Replicas) -> tuple[np.ndarray, np.ndarray]:
     cost = rp.module_costs  # [R, n, K]
     c = np.where(valid[..., None], cost, 0.0)
     used = c.sum(axis=1) > 0  # [R, K] modules with work on this replica
-    rc = np.where(used, random_cut_cv(cost, valid, m), np.inf)
+    rc = np.where(used, rp.cut_cv, np.inf)
     outlier = outliers(c, m).any(axis=1)
 
     def amplitude(rc_min: np.ndarray) -> np.ndarray:
