@@ -215,6 +215,20 @@ def _span(first, end, jj):
     return (jj >= first[..., None]) & (jj < end[..., None])
 
 
+def _waiting(eidx, lidx, wait_tok, m):
+    """[R, M] tokens buffered after each boundary j: the samples' ``wait_tok`` [R, n] (0 where
+    nothing waits) over e <= j < l, as a running sum of what enters at e and leaves at l
+    (whole numbers: the same as summing the spans, without an [R, n, M] mask)."""
+    r_count = eidx.shape[0]
+    base = (np.arange(r_count) * (m + 1))[:, None]
+    w = wait_tok.astype(np.float64)
+    size = r_count * (m + 1)
+    enter = np.bincount((base + np.clip(eidx, 0, m)).ravel(), w.ravel(), size)
+    leave = np.bincount((base + np.clip(lidx, 0, m)).ravel(), w.ravel(), size)
+    diff = (enter - leave).reshape(r_count, m + 1)[:, :m]
+    return np.rint(np.cumsum(diff, axis=1)).astype(np.int64)
+
+
 def _replica_times(fwd, bwd):
     """[...] 1F1B times of [..., M, S] loads, clipped at 0 first: incremental updates leave
     rounding residue around zero."""
@@ -341,10 +355,10 @@ def refine_slowest(
         return refine_by_pipeline(rp, eidx, lidx, rng, stage=stage)
     if r_count <= _FOCUS:
         eidx, lidx = refine_by_pipeline(rp, eidx, lidx, rng, stage=stage)
+        cur = proxy_times(rp, eidx, lidx, stage)
     else:
-        eidx, lidx = _focused_passes(rp, eidx, lidx, rng, stage)
+        eidx, lidx, cur = _focused_passes(rp, eidx, lidx, rng, stage)
     eidx, lidx = eidx.copy(), lidx.copy()
-    cur = proxy_times(rp, eidx, lidx, stage)
     act = np.sort(np.argsort(-cur, kind="stable")[:_LAST_FOCUS])
     e_a, l_a = refine_by_pipeline(
         rp.take(act), eidx[act], lidx[act], rng, _LAST_ROUNDS, stage=_rows(stage, act)
@@ -354,16 +368,17 @@ def refine_slowest(
 
 
 def _focused_passes(rp, eidx, lidx, rng, stage):
-    """Passes over the ``_FOCUS`` slowest replicas, re-ranked after each."""
+    """Passes over the ``_FOCUS`` slowest replicas, re-ranked after each; the sets and
+    every replica's proxy time after them (a pass re-prices only the replicas it searched)."""
     eidx, lidx = eidx.copy(), lidx.copy()
+    cur = proxy_times(rp, eidx, lidx, stage)
     for _ in range(_ROUNDS // _PASS_ROUNDS):
-        cur = proxy_times(rp, eidx, lidx, stage)
         act = np.sort(np.argsort(-cur, kind="stable")[:_FOCUS])
-        e_a, l_a = refine_by_pipeline(
-            rp.take(act), eidx[act], lidx[act], rng, _PASS_ROUNDS, stage=_rows(stage, act)
-        )
+        sub, st = rp.take(act), _rows(stage, act)
+        e_a, l_a = refine_by_pipeline(sub, eidx[act], lidx[act], rng, _PASS_ROUNDS, stage=st)
         eidx[act], lidx[act] = e_a, l_a
-    return eidx, lidx
+        cur[act] = proxy_times(sub, e_a, l_a, st)
+    return eidx, lidx, cur
 
 
 def _rows(stage, rows: np.ndarray):
@@ -411,7 +426,7 @@ def refine_by_pipeline(
     p_load = np.rint(slot_sums(eidx, p_samp.astype(np.float64), valid, m)).astype(np.int64)
     wait_tok = np.where(valid & has_enc, tok, 0)
     # tokens buffered after boundary j: encoded at or before j, consumed after it
-    waiting = (_span(eidx, lidx, np.arange(m)) * wait_tok[..., None]).sum(axis=1)
+    waiting = _waiting(eidx, lidx, wait_tok, m)
     n_valid = valid.sum(axis=1)
     # the cost of a round grows with replicas x candidates: cap their product
     k_count = max(2, min(candidates, _CANDIDATE_BUDGET // r_count))

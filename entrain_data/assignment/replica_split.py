@@ -49,11 +49,16 @@ def split_replicas(
     members = np.empty((dp, n), dtype=np.int64)
     loads = np.zeros((dp, d))
     greedy = min(n, _GREEDY_ROUNDS)
-    for k in range(greedy):
-        items = order[k * dp : (k + 1) * dp]
-        lightest = np.argsort(loads.sum(axis=1), kind="stable")
-        members[lightest, k] = items
-        loads[lightest] += wp[items]
+    if compiled.enabled() and d <= 8:  # numpy sums up to 8 columns in order, as the twin
+        from .split_kernel import greedy_rounds  # numba is imported with it
+
+        greedy_rounds(order, wp, members, loads, greedy)
+    else:
+        for k in range(greedy):
+            items = order[k * dp : (k + 1) * dp]
+            lightest = np.argsort(loads.sum(axis=1), kind="stable")
+            members[lightest, k] = items
+            loads[lightest] += wp[items]
     if greedy < n:
         # the small tail: serpentine rounds (lightest first, then back), in one step
         lightest = np.argsort(loads.sum(axis=1), kind="stable")

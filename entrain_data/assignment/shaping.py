@@ -174,7 +174,10 @@ def coshaped_candidate(
     cols, weight = wv  # the first K columns are the modules of ``module_costs``, in order
     # how far each column follows: its random cut's CV (times 3/4) over the profile's
     spread = np.maximum(prof.std(axis=1), 1e-12)[:, None]  # [r, 1]
-    rc = random_cut_cv(cols[rows], sub.valid, m)  # [r, D]; its first K columns: the modules'
+    k_count = cost.shape[2]  # [r, D]: the modules' (as ``rp`` has them) and the rest's
+    rc = np.concatenate(
+        [rp.cut_cv[rows], random_cut_cv(cols[rows][..., k_count:], sub.valid, m)], axis=1
+    )
     follow = np.clip(_COSHAPE_CV * rc / spread, 0.0, 1.0)
     np.put_along_axis(follow, driver[:, None], 1.0, axis=1)  # the driver's shape is forced
     prof_cols = 1.0 + follow[:, None, :] * (prof - 1.0)[..., None]  # [r, m, D]
@@ -198,12 +201,12 @@ def coshaped_candidate(
     # a module other than the driver less even than a random cut leaves it: not these sets
     # (a column near a count, every clip padded to 30 s, cannot follow a transcript's shape)
     cv = module_cv(slot_sums(joint, cost[rows], sub.valid, m))  # [r, K]
-    uneven = cv > rc[:, : cost.shape[2]] + 1e-12
+    uneven = cv > rc[:, :k_count] + 1e-12
     np.put_along_axis(uneven, driver[:, None], False, axis=1)
     failed = np.ones(valid.shape[0], bool)
     failed[rows] = ~fits_cap(sub, joint) | uneven.any(axis=1)
-    profile = np.ones((valid.shape[0], m, cost.shape[2]))
-    profile[rows] = prof_new[..., : cost.shape[2]]
+    profile = np.ones((valid.shape[0], m, k_count))
+    profile[rows] = prof_new[..., :k_count]
     return Candidate(eidx, eidx, failed, profile)
 
 

@@ -16,7 +16,31 @@ import numpy as np
 
 from ..compiled import jit
 
-__all__ = ["packs", "refine_pairs", "refine_replicas"]
+__all__ = ["greedy_rounds", "packs", "refine_pairs", "refine_replicas"]
+
+
+@jit
+def greedy_rounds(order, wp, members, loads, rounds):
+    """The first ``rounds`` columns of ``members`` [dp, n]: round k gives the k-th ``dp`` items
+    of ``order`` (-1: a pad, ``wp``'s last row) to the replicas lightest first (by the
+    sequential sum of ``loads`` [dp, D], ties by index), ``loads`` updated in place."""
+    dp, d = loads.shape
+    total = np.empty(dp)
+    pad = wp.shape[0] - 1
+    for k in range(rounds):
+        for r in range(dp):
+            acc = loads[r, 0]
+            for q in range(1, d):
+                acc = acc + loads[r, q]
+            total[r] = acc
+        lightest = np.argsort(total, kind="mergesort")
+        for t in range(dp):
+            r = lightest[t]
+            item = order[k * dp + t]
+            members[r, k] = item
+            row = item if item >= 0 else pad
+            for q in range(d):
+                loads[r, q] += wp[row, q]
 
 
 @jit
