@@ -297,3 +297,21 @@ def test_search_never_raises_the_largest_llm_set_under_a_token_cap(seed):
         _, l2 = refine_by_pipeline(rp, eidx, lidx, np.random.default_rng(seed), rounds=64)
     assert peak(l2) <= peak(lidx)
     assert not np.array_equal(l2, lidx)  # the search did move samples
+
+
+@given(seed=st.integers(0, 10_000), m=st.integers(1, 12))
+def test_buffered_tokens_are_those_encoded_at_or_before_a_boundary_and_consumed_after(seed, m):
+    # the search's deferral budget reads these: after boundary j, a sample encoded in E set
+    # e <= j whose L set l is later waits (tokens; 0 for samples with nothing to wait for)
+    rng = np.random.default_rng(seed)
+    eidx = rng.integers(-1, m, (3, 20))
+    lidx = np.where(eidx < 0, -1, np.minimum(eidx + rng.integers(0, 3, (3, 20)), m - 1))
+    tok = np.where(eidx >= 0, rng.integers(0, 10**7, (3, 20)), 0)
+    want = np.zeros((3, m), np.int64)
+    for r in range(3):
+        for i in range(20):
+            for j in range(m):
+                if eidx[r, i] <= j < lidx[r, i]:
+                    want[r, j] += tok[r, i]
+    got = ps._waiting(eidx, lidx, tok, m)
+    assert got.dtype == np.int64 and np.array_equal(got, want)

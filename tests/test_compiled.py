@@ -255,6 +255,23 @@ def test_slot_sums_compiled_equals_numpy(extra):
     assert np.array_equal(a, b)
 
 
+@pytest.mark.parametrize("stages", [1, 4])
+def test_proxy_loads_compiled_equals_numpy(stages):
+    # the search's forward and backward loads in one pass: unplaced members (-1), pads,
+    # E and L sets apart
+    from entrain_data.assignment.pipeline_search import _proxy_loads
+
+    rng = np.random.default_rng(stages)
+    eidx = rng.integers(-1, 6, (4, 30))
+    lidx = np.where(eidx < 0, rng.integers(-1, 6, (4, 30)), eidx + rng.integers(0, 2, (4, 30)))
+    lidx = np.minimum(lidx, 5)
+    valid = rng.random((4, 30)) < 0.85
+    ef, lf, lb = (rng.lognormal(0, 2, (4, 30, stages)) for _ in range(3))
+    (fa, ba), (fb, bb) = _both(lambda: _proxy_loads(eidx, lidx, ef, lf, lb, valid, 6))
+    assert fa.shape == fb.shape == ba.shape == (4, 6, stages)
+    assert np.array_equal(fa, fb) and np.array_equal(ba, bb)
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 10_000),
