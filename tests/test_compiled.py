@@ -380,7 +380,7 @@ def test_search_room_beside_an_outlier_compiled_equals_numpy(seed):
 def test_fluid_profile_compiled_equals_numpy(seed):
     """The light work's profile (``light_work.fluid_profile``): the compiled probes and the
     numpy ones (which build the loads) give the same descent, share for share."""
-    from entrain_data.assignment.light_work import fluid_profile
+    from entrain_data.assignment.light_work import _fluid_cv, fluid_profile
 
     rng = np.random.default_rng(seed)
     r_count, m, s_count = 3, int(rng.integers(3, 20)), int(rng.integers(1, 6))
@@ -391,6 +391,14 @@ def test_fluid_profile_compiled_equals_numpy(seed):
     upper = rng.uniform(1.5 / m, 4.0 / m, (r_count, m))
     (t_np, a_np), (t_c, a_c) = _both(lambda: fluid_profile(fh, 2 * fh, fl, 2 * fl, upper))
     assert np.array_equal(t_np, t_c) and np.array_equal(a_np, a_c)
+    # within a CV bound that turns most moves away (the compiled probes skip those)
+    hk, lk = rng.uniform(0.0, 2.0, (r_count, m, 2)), rng.uniform(1.0, 4.0, (r_count, 2))
+    start = np.full((r_count, m), 1.0 / m)
+    limit = _fluid_cv(hk, lk, start) * 1.05 + 0.01
+    bounded = lambda: fluid_profile(fh, 2 * fh, fl, 2 * fl, upper, start, (hk, lk, limit))  # noqa: E731
+    (t_np, a_np), (t_c, a_c) = _both(bounded)
+    assert np.array_equal(t_np, t_c) and np.array_equal(a_np, a_c)
+    assert (_fluid_cv(hk, lk, a_c) <= limit + 1e-9).all()
 
 
 @pytest.mark.parametrize("seed", range(3))

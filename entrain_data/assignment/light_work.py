@@ -125,14 +125,16 @@ def fluid_profile(
         spare = np.maximum(room.sum(axis=1), 1e-12)[:, None]
         share = np.minimum(share + room * short / spare, upper)
 
-    def times(a: np.ndarray, g: np.ndarray) -> np.ndarray:  # rows g, [g, P, m] -> [g, P]
-        """The probes ``a`` of rows ``g``, small changes of their present shares (the
-        compiled twin runs each from the first microbatch it changes)."""
+    def times(a: np.ndarray, g: np.ndarray, keep: np.ndarray | None = None) -> np.ndarray:
+        """[g, P]: the probes ``a`` [g, P, m] of rows ``g``, small changes of their present
+        shares (the compiled twin runs each from the first microbatch it changes, and only
+        those ``keep`` [g, P] holds: the others' times are not read)."""
         if compiled.enabled():
             from .search_kernel import fluid_times  # numba is imported with it
 
             c = np.ascontiguousarray
-            return fluid_times(fh[g], bh[g], fl[g], bl[g], c(a), topo, c(share[g]))
+            keep = np.ones(a.shape[:2], bool) if keep is None else keep
+            return fluid_times(fh[g], bh[g], fl[g], bl[g], c(a), topo, c(share[g]), keep)
         p = a.shape[1]
         f = fh[g, None] + a[..., None] * fl[g, None, None]
         b = bh[g, None] + a[..., None] * bl[g, None, None]
@@ -166,11 +168,14 @@ def fluid_profile(
         moves[rows[:, None], at, src] -= amount
         moves[rows[:, None], at, dst] += amount
         moves = np.maximum(moves, 0.0)
-        got = times(moves, g)
-        if spread is not None:
+        keep = None
+        if spread is not None:  # the moves within the CV bound (a quarter, where it binds)
             hk, lk, limit = spread
             cv = _fluid_cv(hk[g, None], lk[g, None], moves)  # [g, P, K]
-            got = np.where((cv <= limit[g, None] + 1e-12).all(axis=2), got, np.inf)
+            keep = (cv <= limit[g, None] + 1e-12).all(axis=2)
+        got = times(moves, g, keep)
+        if keep is not None:
+            got = np.where(keep, got, np.inf)
         best = got.argmin(axis=1)
         better = got[rows, best] < cur[g] * (1 - 1e-9)
         share[g] = np.where(better[:, None], moves[rows, best], a)

@@ -80,7 +80,7 @@ def recurrence(fwd, bwd, topo):
 
 
 @jit
-def fluid_times(fh, bh, fl, bl, shares, topo, base):
+def fluid_times(fh, bh, fl, bl, shares, topo, base, keep):
     """[R, P] iteration times of the forward loads ``fh + share * fl`` and backward loads
     ``bh + share * bl`` for every [R, P, M] share (``fh``, ``bh`` [R, M, S]; ``fl``, ``bl``
     [R, S]): :func:`.light_work.fluid_profile`'s probes, without building the [R, P, M, S]
@@ -90,7 +90,8 @@ def fluid_times(fh, bh, fl, bl, shares, topo, base):
     is run once per replica, and a probe only from the first op of a microbatch it changes
     (the ops before it end as in ``base``'s run, the same values; in the schedule's order
     a microbatch's first op comes about when it enters the pipeline: a third of a probe's
-    ops are saved on average, where two of 16 microbatches change)."""
+    ops are saved on average, where two of 16 microbatches change). A probe ``keep`` [R, P]
+    does not hold is not run (its time is left infinite)."""
     r_count, p_count, m = shares.shape
     s_count = fh.shape[2]
     n_ops = topo.shape[0]
@@ -113,6 +114,9 @@ def fluid_times(fh, bh, fl, bl, shares, topo, base):
         t_base = _run(prev, dep, load, last, flat, ends_base, 0)
         ends[:] = ends_base
         for p in range(p_count):
+            if not keep[r, p]:
+                out[r, p] = np.inf
+                continue
             start = n_ops
             for j in range(m):
                 a = shares[r, p, j]
