@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from test_assignment_pick import workload_on_stages
 
-from entrain_data.assignment import assign, check_assignment, light_work
+from entrain_data.assignment import assign, check_assignment
 from entrain_data.assignment import entrain as en
 from entrain_data.assignment.common import Inputs, module_cv, module_loads, slot_sums
 from entrain_data.assignment.light_work import fluid_profile, lay_light_work
@@ -168,6 +168,7 @@ def test_a_replica_takes_the_layout_only_where_it_is_faster_even_and_within_the_
     every module within a random cut's CV, its caps and a sample in every LLM set and never
     reads an encoder output before it exists; without the search that follows the deal, its
     heavy samples keep their slots and the light ones sit in joint sets."""
+    from entrain_data.assignment import light_work
 
     enc, llm, tok, caps, _, kw = _outlier_batch(seed)
     calls = []
@@ -271,35 +272,3 @@ def test_where_it_cannot_help_the_sets_are_returned_as_they_are(dp, m, stages):
     cur = proxy_times(rp, eidx, eidx, stage)
     e2, l2 = lay_light_work(rp, eidx, eidx, stage, cur, np.random.default_rng(0))
     assert e2 is eidx and l2 is eidx
-
-
-def test_no_replica_is_laid_out_where_the_slowest_one_takes_no_deal():
-    """The iteration waits for its slowest replica: where its deal is not taken, laying out
-    the others shortens nothing, and every replica keeps its sets (even ones)."""
-    enc, llm, tok, caps, _, kw = _outlier_batch(0)
-    seen = []
-    real_lay, real_dealt = en.lay_light_work, light_work._dealt
-
-    def spy(rp, e, lo, stage, cur, rng):  # level 2's own inputs to the layout
-        seen.append((rp, e, lo, stage, cur))
-        return real_lay(rp, e, lo, stage, cur, rng)
-
-    taken = []
-
-    def refused(*args):  # the real deals, the slowest replica's refused
-        e2, l2, t2, ok = real_dealt(*args)
-        others = np.arange(len(ok)) != np.argmax(args[7])
-        taken.append((ok & others).any())
-        return e2, l2, t2, ok & others
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(en, "lay_light_work", spy)
-        assign(enc, llm, tok, pipeline_stages=4, **caps, **kw)
-    rp, e, lo, stage, cur = seen[0]
-    e0, _ = lay_light_work(rp, e, lo, stage, cur, np.random.default_rng(0))
-    assert (e0 != e).any()  # laid out where the slowest replica takes its deal
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(light_work, "_dealt", refused)
-        e2, l2 = lay_light_work(rp, e, lo, stage, cur, np.random.default_rng(0))
-    assert any(taken)  # other replicas' deals were taken ...
-    assert e2 is e and l2 is lo  # ... and not kept

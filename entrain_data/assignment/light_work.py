@@ -29,12 +29,9 @@ replica takes the faster of the two deals only where its proxy time falls, the c
 no LLM set is empty (where it holds at least as many samples as microbatches) and every
 module's per-microbatch CV stays within a random equal-count cut's: the contract that no
 module ends less even than a cost-blind cut leaves it (the free profile alone broke it on
-most replicas without outliers). Where the slowest replica does not take its deal, no replica
-does: the iteration would not shorten, and the others' sets stay even (at 8192 / dp 128 on
-light-tailed rows, 4 samples a microbatch, the slowest replica's deal broke the random cut's
-CV in most iterations while ten others took theirs). Otherwise the pipeline search runs once
-more from there on the replicas that took one (the heavy samples' slots were found for the
-old light work), the same bound held after it.
+most replicas without outliers). The pipeline search then runs once more from there on those
+replicas (the heavy samples' slots were found for the old light work), the same bound and a
+proxy time no longer than the deal's held after it.
 
 The optimisation costs a few hundred simulated pipelines per replica, and the iteration
 waits for its slowest replica, so it runs on the slowest replicas only: at most ``_FOCUS``,
@@ -197,8 +194,7 @@ def lay_light_work(
     iteration within the caps and the CV bound (the module docstring), then searched once
     more from there (:func:`.pipeline_search.refine_by_pipeline`, ``rng``'s draws: the heavy
     samples' slots were found for the old light work; measured at 512 / dp 4 / 32, 0.2-2%
-    more on five rows, none less); the other replicas unchanged, and every replica where the
-    slowest one takes no deal. ``stage``: the (ef, lf,
+    more on five rows, none less); the other replicas unchanged. ``stage``: the (ef, lf,
     lb) of :func:`.pipeline_search.stage_costs`; ``cur``: the proxy times [R] of ``(eidx,
     lidx)`` on it (level 2 has them)."""
     m = rp.m
@@ -246,8 +242,8 @@ def lay_light_work(
     e2, l2 = np.where(use[:, None], e3, e2), np.where(use[:, None], l3, l2)
     t2, ok = np.where(use, t3, t2), ok | ok3
     taken = rows[ok]
-    if not ok[np.argmax(cur[rows])]:  # the iteration waits for the slowest replica: without
-        return eidx, lidx  # it nothing shortens, and the others' sets stay even
+    if len(taken) == 0:
+        return eidx, lidx
     eidx, lidx = eidx.copy(), lidx.copy()
     sub = rp.take(taken)
     e_s, l_s = refine_by_pipeline(sub, e2[ok], l2[ok], rng, stage=(ef[ok], lf[ok], lb[ok]))
