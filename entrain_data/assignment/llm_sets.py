@@ -39,7 +39,7 @@ def llm_sets_fill(
     cap_v = big if cap is None else cap
     prof = np.ones((r_count, m)) if profile is None else np.asarray(profile, np.float64)
     # what is left of the profile from j on (both paths divide by these same sums), each
-    # added from p_j up as before: m array additions, not m^2 / 2
+    # added from p_j up, in m array additions
     tail = np.zeros((r_count, m))
     for k in range(m):
         tail[:, : k + 1] += prof[:, k : k + 1]
