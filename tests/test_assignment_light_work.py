@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_assignment_pick import workload_on_stages
 
 from entrain_data.assignment import assign, check_assignment
 from entrain_data.assignment import entrain as en
 from entrain_data.assignment.common import Inputs, module_cv, module_loads, slot_sums
-from entrain_data.assignment.light_work import fluid_profile, lay_light_work
+from entrain_data.assignment.light_work import _fluid_cv, fluid_profile, lay_light_work
 from entrain_data.assignment.pipeline_search import (
     _pipeline_times,
     _topo,
@@ -272,3 +274,18 @@ def test_where_it_cannot_help_the_sets_are_returned_as_they_are(dp, m, stages):
     cur = proxy_times(rp, eidx, eidx, stage)
     e2, l2 = lay_light_work(rp, eidx, eidx, stage, cur, np.random.default_rng(0))
     assert e2 is eidx and l2 is eidx
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), m=st.integers(2, 20), k=st.integers(1, 4))
+def test_the_fluid_cv_is_the_cv_of_the_loads_it_describes(seed, m, k):
+    """The light work's CV bound reads the loads' CVs from their moments; they are the CVs of
+    the loads ``hk + share * lk`` built out, for any leading axes (a module without load: 0)."""
+    rng = np.random.default_rng(seed)
+    hk = rng.lognormal(0, 1, (3, 1, m, k)) * (rng.random((3, 1, m, k)) < 0.5)
+    lk = rng.lognormal(1, 1, (3, 1, k))
+    lk[0, 0, 0] = 0.0
+    hk[0, 0, :, 0] = 0.0  # no load at all on this module
+    share = rng.dirichlet(np.ones(m), (3, 5))
+    want = module_cv(hk + share[..., None] * lk[..., None, :])
+    assert np.allclose(_fluid_cv(hk, lk, share), want, rtol=0, atol=1e-10)
