@@ -149,16 +149,15 @@ class Replicas:
         return random_cut_cv(self.module_costs, self.valid, self.m)
 
     def take(self, replicas: np.ndarray) -> Replicas:
-        """The same value restricted to some replicas (rows), e.g. the slowest ones, with the
-        batch's modules: where they are computed, :attr:`module_costs` and :attr:`cut_cv` are
-        taken along (each row's is its own) with :attr:`encoders_together` (a subset
-        without one encoder's work has the batch's modules still)."""
+        """The same value restricted to some replicas (rows), e.g. the slowest ones. Where the
+        subset has the same modules (:attr:`encoders_together`), :attr:`module_costs` and
+        :attr:`cut_cv` already computed are taken along (each row's is its own)."""
         arrays = ("members", "valid", "has_enc", "enc_cols", "enc_w", "llm", "tok", "patches")
         out = replace(self, **{k: getattr(self, k)[replicas] for k in arrays})
-        out.__dict__["encoders_together"] = self.encoders_together
-        for name in ("module_costs", "cut_cv"):
-            if name in self.__dict__:
-                out.__dict__[name] = self.__dict__[name][replicas]
+        if out.encoders_together == self.encoders_together:
+            for name in ("module_costs", "cut_cv"):
+                if name in self.__dict__:
+                    out.__dict__[name] = self.__dict__[name][replicas]
         return out
 
 

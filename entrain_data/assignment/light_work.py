@@ -372,18 +372,18 @@ def _fluid_cv(hk, lk, share) -> np.ndarray:
     [..., m, K] the heavy samples' module loads, ``lk`` [..., K] the light work's totals,
     ``share`` [..., m]; the leading axes broadcast).
 
-    From the loads' first two moments, which are linear and quadratic in the shares: the
-    descent prices ~100 probes a step, and building their [..., m, K] loads took it 1.7 ms
-    a step at 8192 / dp 128 (the light work's largest cost on light-tailed rows). Within
-    1e-10 of :func:`.common.module_cv` of the loads (the bounds' tolerance is 1e-12 of a
-    CV of 0.01-1, and a module whose loads the shares do not move gets one value)."""
-    m = share.shape[-1]
-    s1 = share.sum(axis=-1)[..., None]
-    s2 = (share * share).sum(axis=-1)[..., None]
-    cross = (share[..., None, :] @ hk)[..., 0, :]  # [..., K]: sum_j share_j hk_j
-    mean = (hk.sum(axis=-2) + lk * s1) / m
-    square = ((hk * hk).sum(axis=-2) + 2.0 * lk * cross + lk * lk * s2) / m
-    std = np.sqrt(np.maximum(square - mean * mean, 0.0))
+    From the centred moments (the heavy loads' variance, their covariance with the shares,
+    the shares' variance), which need no [..., m, K] loads: the descent prices ~100 probes a
+    step, and building their loads took it 1.7 ms a step at 8192 / dp 128 (the light work's
+    largest cost on light-tailed rows). Centred, so nearly even loads keep their small CV
+    (``tests/test_assignment_light_work.py`` holds it to :func:`.common.module_cv` of the
+    built loads)."""
+    hc = hk - hk.mean(axis=-2, keepdims=True)  # [..., m, K]
+    sc = share - share.mean(axis=-1, keepdims=True)  # [..., m]
+    cov = (sc[..., None, :] @ hc)[..., 0, :] / share.shape[-1]  # [..., K]
+    var = (hc * hc).mean(axis=-2) + 2.0 * lk * cov + lk * lk * (sc * sc).mean(axis=-1)[..., None]
+    mean = hk.mean(axis=-2) + lk * share.mean(axis=-1)[..., None]
+    std = np.sqrt(np.maximum(var, 0.0))
     return np.where(mean > 0, std / np.where(mean > 0, mean, 1.0), 0.0)
 
 

@@ -216,9 +216,10 @@ def _span(first, end, jj):
 
 
 def _waiting(eidx, lidx, wait_tok, m):
-    """[R, M] tokens buffered after each boundary j: the samples' ``wait_tok`` [R, n] (0 where
-    nothing waits) over e <= j < l, as a running sum of what enters at e and leaves at l
-    (whole numbers: the same as summing the spans, without an [R, n, M] mask)."""
+    """[R, M] tokens buffered after each boundary j: the samples' ``wait_tok`` [R, n] over
+    e <= j < l, as a running sum of what enters at e and leaves at l (whole numbers: the same
+    as summing the spans, without an [R, n, M] mask). The search's invariants hold: e <= l,
+    and a sample without a slot (-1) has no tokens to wait with."""
     r_count = eidx.shape[0]
     base = (np.arange(r_count) * (m + 1))[:, None]
     w = wait_tok.astype(np.float64)

@@ -49,7 +49,7 @@ def split_replicas(
     members = np.empty((dp, n), dtype=np.int64)
     loads = np.zeros((dp, d))
     greedy = min(n, _GREEDY_ROUNDS)
-    if compiled.enabled() and d <= 8:  # numpy sums up to 8 columns in order, as the twin
+    if compiled.enabled() and d < 8:  # numpy sums under 8 columns in order, as the twin
         from .split_kernel import greedy_rounds  # numba is imported with it
 
         greedy_rounds(order, wp, members, loads, greedy)

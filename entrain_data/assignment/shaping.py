@@ -174,10 +174,11 @@ def coshaped_candidate(
     cols, weight = wv  # the first K columns are the modules of ``module_costs``, in order
     # how far each column follows: its random cut's CV (times 3/4) over the profile's
     spread = np.maximum(prof.std(axis=1), 1e-12)[:, None]  # [r, 1]
-    k_count = cost.shape[2]  # [r, D]: the modules' (as ``rp`` has them) and the rest's
-    rc = np.concatenate(
-        [rp.cut_cv[rows], random_cut_cv(cols[rows][..., k_count:], sub.valid, m)], axis=1
-    )
+    # [r, D]: the modules' (as ``rp`` has them) and the rest's, read with the last module's
+    # column: numpy sums one column pairwise but several each in order, as on all D at once
+    k_count = cost.shape[2]
+    rest = random_cut_cv(cols[rows][..., k_count - 1 :], sub.valid, m)[:, 1:]
+    rc = np.concatenate([rp.cut_cv[rows], rest], axis=1)
     follow = np.clip(_COSHAPE_CV * rc / spread, 0.0, 1.0)
     np.put_along_axis(follow, driver[:, None], 1.0, axis=1)  # the driver's shape is forced
     prof_cols = 1.0 + follow[:, None, :] * (prof - 1.0)[..., None]  # [r, m, D]
