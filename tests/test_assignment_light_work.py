@@ -284,13 +284,15 @@ def test_the_fluid_cv_is_the_cv_of_the_loads_it_describes(seed, m, k, even):
     ~1e-7: padded clips, fixed-size images) included; a module without load has CV 0."""
     rng = np.random.default_rng(seed)
     if even:
-        hk = 2.0 + rng.normal(0, 1e-7, (3, 1, m, k))
+        hk = 2.0 + rng.normal(0, 1e-7, (3, m, k))
         share = 1.0 / m + rng.normal(0, 1e-9, (3, 5, m))
     else:
-        hk = rng.lognormal(0, 1, (3, 1, m, k)) * (rng.random((3, 1, m, k)) < 0.5)
+        hk = rng.lognormal(0, 1, (3, m, k)) * (rng.random((3, m, k)) < 0.5)
         share = rng.dirichlet(np.ones(m), (3, 5))
-    lk = rng.lognormal(1, 1, (3, 1, k))
-    lk[0, 0, 0] = 0.0
-    hk[0, 0, :, 0] = 0.0  # no load at all on this module
-    want = module_cv(hk + share[..., None] * lk[..., None, :])
+    lk = rng.lognormal(1, 1, (3, k))
+    lk[0, 0] = 0.0
+    hk[0, :, 0] = 0.0  # no load at all on this module
+    want = module_cv(hk[:, None] + share[..., None] * lk[:, None, None, :])  # [3, 5, k]
     assert np.allclose(_fluid_cv(hk, lk, share), want, rtol=0, atol=1e-12)
+    one = module_cv(hk + share[:, 0, :, None] * lk[:, None, :])  # a profile per row: [3, k]
+    assert np.allclose(_fluid_cv(hk, lk, share[:, 0]), one, rtol=0, atol=1e-12)

@@ -168,7 +168,7 @@ def fluid_profile(
         keep = None
         if spread is not None:  # the moves within the CV bound (a quarter, where it binds)
             hk, lk, limit = spread
-            cv = _fluid_cv(hk[g, None], lk[g, None], moves)  # [g, P, K]
+            cv = _fluid_cv(hk[g], lk[g], moves)  # [g, P, K]
             keep = (cv <= limit[g, None] + 1e-12).all(axis=2)
         got = times(moves, g, keep)
         if keep is not None:
@@ -368,21 +368,27 @@ def _shares_now(es, ls, ef, with_l, light, m: int) -> np.ndarray:
 
 
 def _fluid_cv(hk, lk, share) -> np.ndarray:
-    """[..., K] every module's per-microbatch CV of the loads ``hk + share * lk`` (``hk``
-    [..., m, K] the heavy samples' module loads, ``lk`` [..., K] the light work's totals,
-    ``share`` [..., m]; the leading axes broadcast).
+    """Every module's per-microbatch CV of the loads ``hk + share * lk`` (``hk`` [R, m, K] the
+    heavy samples' module loads, ``lk`` [R, K] the light work's totals): [R, K] for ``share``
+    [R, m], [R, P, K] for P profiles of each row, ``share`` [R, P, m].
 
     From the centred moments (the heavy loads' variance, their covariance with the shares,
-    the shares' variance), which need no [..., m, K] loads: the descent prices ~100 probes a
+    the shares' variance), which need no [R, P, m, K] loads: the descent prices ~100 probes a
     step, and building their loads took it 1.7 ms a step at 8192 / dp 128 (the light work's
     largest cost on light-tailed rows). Centred, so nearly even loads keep their small CV
     (``tests/test_assignment_light_work.py`` holds it to :func:`.common.module_cv` of the
     built loads)."""
-    hc = hk - hk.mean(axis=-2, keepdims=True)  # [..., m, K]
-    sc = share - share.mean(axis=-1, keepdims=True)  # [..., m]
-    cov = (sc[..., None, :] @ hc)[..., 0, :] / share.shape[-1]  # [..., K]
-    var = (hc * hc).mean(axis=-2) + 2.0 * lk * cov + lk * lk * (sc * sc).mean(axis=-1)[..., None]
-    mean = hk.mean(axis=-2) + lk * share.mean(axis=-1)[..., None]
+    probes = share.ndim == hk.ndim  # [R, P, m]: the row's statistics broadcast over P
+    at = (slice(None), None) if probes else (slice(None),)
+    hc = hk - hk.mean(axis=-2, keepdims=True)  # [R, m, K]
+    s1 = share.mean(axis=-1, keepdims=True)
+    sc = share - s1
+    cov = (sc @ hc if probes else (sc[:, None, :] @ hc)[:, 0]) / share.shape[-1]
+    lk = lk[at]
+    var = (
+        (hc * hc).mean(axis=-2)[at] + 2.0 * lk * cov + lk * lk * (sc * sc).mean(axis=-1)[..., None]
+    )
+    mean = hk.mean(axis=-2)[at] + lk * s1
     std = np.sqrt(np.maximum(var, 0.0))
     return np.where(mean > 0, std / np.where(mean > 0, mean, 1.0), 0.0)
 
