@@ -112,6 +112,7 @@ from .pipeline_search import (
     proxy_times,
     refine_slowest,
     stage_costs,
+    stage_rows,
 )
 from .replica_split import fit_caps, norm_columns, split_replicas
 from .shaping import coshaped_candidate, shaped_candidates
@@ -237,7 +238,7 @@ def _assign(x: Inputs, seed: int, iteration: int, tolerance: float):
     eidx, lidx = _level2(rp, tolerance, stage, rng_for(seed, iteration, 2))
 
     def level2(rp2: Replicas, stage2: StageCosts, rows: np.ndarray):
-        sub, st = rp2.take(rows), tuple(s[rows] for s in stage2)
+        sub, st = rp2.take(rows), stage_rows(stage2, rows)
         return _level2(sub, tolerance, st, rng_for(seed, iteration, 3))
 
     rp, eidx, lidx, stage = shed_stalls(

@@ -63,6 +63,7 @@ from .pipeline_search import (
     proxy_times,
     random_cut_cv,
     refine_by_pipeline,
+    stage_rows,
 )
 
 __all__ = ["fluid_profile", "lay_light_work"]
@@ -210,7 +211,7 @@ def lay_light_work(
     peaks = _peaks(rp, eidx, lidx)
     aimed, rp = _capped(rp, peaks, _CAP_AIM), _capped(rp, peaks)
     sub = rp.take(rows)
-    ef, lf, lb = (s[rows] for s in stage)
+    ef, lf, lb = stage_rows(stage, rows)
     es, ls = eidx[rows], lidx[rows]
     work = (ef + lf + lb).sum(axis=2)  # [r, n]
     heavy = sub.valid & (work > _HEAVY * work.sum(axis=1, keepdims=True) / m)
@@ -246,7 +247,7 @@ def lay_light_work(
         return eidx, lidx
     eidx, lidx = eidx.copy(), lidx.copy()
     sub = rp.take(taken)
-    e_s, l_s = refine_by_pipeline(sub, e2[ok], l2[ok], rng, stage=(ef[ok], lf[ok], lb[ok]))
+    e_s, l_s = refine_by_pipeline(sub, e2[ok], l2[ok], rng, stage=stage_rows((ef, lf, lb), ok))
     # the search's CV limits follow its start: hold the random cut's bound after it too
     keep = _within(sub, e_s, l_s, limit[ok])
     eidx[taken] = np.where(keep[:, None], e_s, e2[ok])

@@ -57,6 +57,7 @@ __all__ = [
     "refine_by_pipeline",
     "refine_slowest",
     "stage_costs",
+    "stage_rows",
 ]
 
 _FWD_SHARE = 1.0 / 3.0  # forward share of a trainable module's forward + backward cost
@@ -217,17 +218,13 @@ def _span(first, end, jj):
 
 def _waiting(eidx, lidx, wait_tok, m):
     """[R, M] tokens buffered after each boundary j: the samples' ``wait_tok`` [R, n] over
-    e <= j < l, as a running sum of what enters at e and leaves at l (whole numbers: the same
-    as summing the spans, without an [R, n, M] mask). The search's invariants hold: e <= l,
-    and a sample without a slot (-1) has no tokens to wait with."""
-    r_count = eidx.shape[0]
-    base = (np.arange(r_count) * (m + 1))[:, None]
+    e <= j < l, the running sum of what enters at e less what leaves at l (whole numbers:
+    the same as summing the spans, without an [R, n, M] mask). The search's invariants hold:
+    e <= l, and a sample without a slot (-1) has no tokens to wait with."""
     w = wait_tok.astype(np.float64)
-    size = r_count * (m + 1)
-    enter = np.bincount((base + np.clip(eidx, 0, m)).ravel(), w.ravel(), size)
-    leave = np.bincount((base + np.clip(lidx, 0, m)).ravel(), w.ravel(), size)
-    diff = (enter - leave).reshape(r_count, m + 1)[:, :m]
-    return np.rint(np.cumsum(diff, axis=1)).astype(np.int64)
+    every = np.ones(eidx.shape, bool)  # slots -1 count nowhere (slot_sums)
+    moved = slot_sums(eidx, w, every, m) - slot_sums(lidx, w, every, m)
+    return np.rint(np.cumsum(moved, axis=1)).astype(np.int64)
 
 
 def _replica_times(fwd, bwd):
@@ -362,7 +359,7 @@ def refine_slowest(
     eidx, lidx = eidx.copy(), lidx.copy()
     act = np.sort(np.argsort(-cur, kind="stable")[:_LAST_FOCUS])
     e_a, l_a = refine_by_pipeline(
-        rp.take(act), eidx[act], lidx[act], rng, _LAST_ROUNDS, stage=_rows(stage, act)
+        rp.take(act), eidx[act], lidx[act], rng, _LAST_ROUNDS, stage=stage_rows(stage, act)
     )
     eidx[act], lidx[act] = e_a, l_a
     return eidx, lidx
@@ -375,17 +372,18 @@ def _focused_passes(rp, eidx, lidx, rng, stage):
     cur = proxy_times(rp, eidx, lidx, stage)
     for _ in range(_ROUNDS // _PASS_ROUNDS):
         act = np.sort(np.argsort(-cur, kind="stable")[:_FOCUS])
-        sub, st = rp.take(act), _rows(stage, act)
+        sub, st = rp.take(act), stage_rows(stage, act)
         e_a, l_a = refine_by_pipeline(sub, eidx[act], lidx[act], rng, _PASS_ROUNDS, stage=st)
         eidx[act], lidx[act] = e_a, l_a
         cur[act] = proxy_times(sub, e_a, l_a, st)
     return eidx, lidx, cur
 
 
-def _rows(stage, rows: np.ndarray):
-    """``stage``'s (ef, lf, lb) of some replicas: a subset is searched on the batch's stage
-    layout, the one its replicas are ranked and priced on (laid out on the subset's own
-    module totals, the four slowest replicas were searched on a slightly other pipeline)."""
+def stage_rows(stage, rows: np.ndarray) -> tuple[np.ndarray, ...]:
+    """``stage``'s (ef, lf, lb) of some replicas (an index or a mask): a subset is searched
+    and priced on the batch's stage layout, the one its replicas are ranked on (laid out on
+    the subset's own module totals, the four slowest replicas were searched on a slightly
+    other pipeline)."""
     return tuple(s[rows] for s in stage)
 
 

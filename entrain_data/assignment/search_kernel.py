@@ -103,6 +103,7 @@ def fluid_times(fh, bh, fl, bl, shares, topo, base, keep):
     out = np.empty((r_count, p_count))
     times = np.empty((2, m, s_count))
     flat = times.reshape(-1)
+    times_base = np.empty((2, m, s_count))
     ends = np.zeros(n_ops + 1)
     ends_base = np.zeros(n_ops + 1)
     changed = np.empty(m, np.bool_)
@@ -112,6 +113,7 @@ def fluid_times(fh, bh, fl, bl, shares, topo, base, keep):
             for s in range(s_count):
                 times[0, j, s] = fh[r, j, s] + a * fl[r, s]
                 times[1, j, s] = bh[r, j, s] + a * bl[r, s]
+        times_base[:] = times
         t_base = _run(prev, dep, load, last, flat, ends_base, 0)
         ends[:] = ends_base
         for p in range(p_count):
@@ -134,10 +136,7 @@ def fluid_times(fh, bh, fl, bl, shares, topo, base, keep):
             ends[start:n_ops] = ends_base[start:n_ops]  # base's ends again
             for j in range(m):  # and base's loads
                 if changed[j]:
-                    a = base[r, j]
-                    for s in range(s_count):
-                        times[0, j, s] = fh[r, j, s] + a * fl[r, s]
-                        times[1, j, s] = bh[r, j, s] + a * bl[r, s]
+                    times[:, j] = times_base[:, j]
     return out
 
 
