@@ -95,6 +95,10 @@ class Inputs:
     frozen: np.ndarray | None = None  # [E] bool: the encoder runs forward only; None: all train
     stages: int = DEFAULT_PIPELINE_STAGES  # the plan's pp: the depth of entrain's proxy pipeline
     depth_known: bool = True  # False: the caller gave no pp (entrain's pick prices several)
+    # [E + 1] module totals (each encoder column, the LLM) entrain's proxy lays its stages out
+    # on; None: this batch's own. ``max_delay`` sets it to the iteration's fresh samples'
+    # (:func:`.delay.assign_delayed`): the plan's stages do not move with what is carried
+    layout: np.ndarray | None = None
 
     @property
     def n(self) -> int:
@@ -124,6 +128,7 @@ class Replicas:
     frozen: np.ndarray | None = None  # [E] bool: forward only (no encoder backward in L sets)
     stages: int = DEFAULT_PIPELINE_STAGES  # depth of the proxy pipeline (the plan's pp)
     depth_known: bool = True  # False: no pp was given; the pick prices UNKNOWN_DEPTHS
+    layout: np.ndarray | None = None  # [E + 1] module totals of the proxy's stages (Inputs')
 
     @cached_property
     def module_costs(self) -> np.ndarray:

@@ -206,6 +206,7 @@ def replicas_of(x: Inputs, members: np.ndarray) -> Replicas:
         frozen=x.frozen,
         stages=x.stages,
         depth_known=x.depth_known,
+        layout=x.layout,
     )
 
 

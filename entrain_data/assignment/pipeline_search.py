@@ -181,11 +181,13 @@ def _forward_shares(frozen: np.ndarray | None, e_count: int) -> np.ndarray:
     return np.where(frozen, 1.0, _FWD_SHARE)
 
 
-def _per_stage(enc_cols, llm, valid, frozen=None, stages=DEFAULT_PIPELINE_STAGES):
+def _per_stage(enc_cols, llm, valid, frozen=None, stages=DEFAULT_PIPELINE_STAGES, layout=None):
     """Per-sample proxy stage costs [R, n, S] on ``stages`` stages: encoder forward (with
     E), forward and backward that run with L (LLM forward; encoder and LLM backward). A
-    frozen encoder (``frozen`` [E] bool) is all forward: its whole cost runs with E."""
-    sh = proxy_stage_shares(_module_totals(enc_cols, llm, valid), stages)  # [S, K]
+    frozen encoder (``frozen`` [E] bool) is all forward: its whole cost runs with E. The
+    stages are laid out on ``layout`` (module totals [K]) where given, else on these samples'."""
+    totals = _module_totals(enc_cols, llm, valid) if layout is None else layout
+    sh = proxy_stage_shares(totals, stages)  # [S, K]
     l_stage = llm[..., None] * sh[None, None, :, -1]
     zero = ~valid[..., None]
     lf = np.where(zero, 0.0, _FWD_SHARE * l_stage)
@@ -203,7 +205,7 @@ def _per_stage(enc_cols, llm, valid, frozen=None, stages=DEFAULT_PIPELINE_STAGES
 
 def stage_costs(rp: Replicas):
     """(ef, lf, lb) [R, n, S] of ``rp``'s members on its proxy pipeline (:func:`_per_stage`)."""
-    return _per_stage(rp.enc_cols, rp.llm, rp.valid, rp.frozen, rp.stages)
+    return _per_stage(rp.enc_cols, rp.llm, rp.valid, rp.frozen, rp.stages, rp.layout)
 
 
 def _loads(idx, per_sample, valid, m):
@@ -259,7 +261,9 @@ def depth_blind_pricer(rp: Replicas, depths: tuple[int, ...] = UNKNOWN_DEPTHS):
     The fill and drain fall elsewhere at every depth, so sets priced on one depth can lose
     on another: priced on 4 stages and run on 8, entrain trailed the best peer on 8 of 34
     rows at 512 / dp 4 / 32 (0.979 at worst). One slot sum per module serves every depth:
-    a stage's load is the modules' per-microbatch loads times their shares on it."""
+    a stage's load is the modules' per-microbatch loads times their shares on it. The
+    stages are laid out on ``rp.layout`` where given (``max_delay``), else on ``rp``'s
+    module totals."""
     valid, m = rp.valid, rp.m
     fwd_share = _forward_shares(rp.frozen, rp.enc_cols.shape[2])
     enc = np.where(valid[..., None], rp.enc_cols, 0.0)
@@ -268,9 +272,10 @@ def depth_blind_pricer(rp: Replicas, depths: tuple[int, ...] = UNKNOWN_DEPTHS):
     with_l = np.concatenate([enc * (1 - fwd_share), llm], axis=2)  # their backward, the LLM
     totals = _module_totals(rp.enc_cols, rp.llm, valid)
     work = totals.sum() / len(valid)  # a replica's mean work, every module
+    laid = totals if rp.layout is None else rp.layout
     plans = [
         (
-            proxy_stage_shares(totals, d),  # [S, K]
+            proxy_stage_shares(laid, d),  # [S, K]
             work * (m + d - 1) / (m * d) if work > 0 else 1.0,
             _topo(m, d),
         )
