@@ -12,8 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from entrain_data.assignment import CAP_AWARE, DEFERRING, METHODS, assign, check_assignment
+from entrain_data.assignment.common import random_cut_cv
 from entrain_data.assignment.entrain import _STRAGGLER_CV
-from entrain_data.assignment.pipeline_search import cv_limits, random_cut_cv
+from entrain_data.assignment.pipeline_search import cv_limits
 from entrain_data.errors import InvalidInput
 
 

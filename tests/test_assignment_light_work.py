@@ -16,13 +16,18 @@ from test_assignment_pick import workload_on_stages
 
 from entrain_data.assignment import assign, check_assignment
 from entrain_data.assignment import entrain as en
-from entrain_data.assignment.common import Inputs, module_cv, module_loads, slot_sums
+from entrain_data.assignment.common import (
+    Inputs,
+    module_cv,
+    module_loads,
+    random_cut_cv,
+    slot_sums,
+)
 from entrain_data.assignment.light_work import _fluid_cv, fluid_profile, lay_light_work
 from entrain_data.assignment.pipeline_search import (
     _pipeline_times,
     _topo,
     proxy_times,
-    random_cut_cv,
     stage_costs,
 )
 from entrain_data.simulator import simulate_pipeline, times_from_sample_costs

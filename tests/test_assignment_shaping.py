@@ -13,9 +13,8 @@ import pytest
 from test_assignment_pick import workload_on_stages
 
 from entrain_data.assignment import assign, check_assignment
-from entrain_data.assignment.common import Inputs
+from entrain_data.assignment.common import Inputs, random_cut_cv
 from entrain_data.assignment.entrain import replicas_of
-from entrain_data.assignment.pipeline_search import random_cut_cv
 from entrain_data.assignment.shaping import _SHAPE_SHARE, edge_shape, shape_amplitudes
 from entrain_data.metrics import microbatch_loads
 from entrain_data.simulator import (

@@ -55,13 +55,12 @@ from dataclasses import replace
 import numpy as np
 
 from .. import compiled
-from .common import Replicas, module_cv, module_loads, slot_sums
+from .common import Replicas, module_cv, module_loads, random_cut_cv, slot_sums
 from .llm_sets import empty_llm_set, fits_patches, fits_tokens
 from .pipeline_search import (
     _pipeline_times,
     _topo,
     proxy_times,
-    random_cut_cv,
     refine_by_pipeline,
     stage_rows,
 )

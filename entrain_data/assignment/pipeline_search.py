@@ -51,7 +51,6 @@ __all__ = [
     "UNKNOWN_DEPTHS",
     "cv_limits",
     "depth_blind_pricer",
-    "random_cut_cv",
     "proxy_stage_shares",
     "proxy_times",
     "refine_by_pipeline",

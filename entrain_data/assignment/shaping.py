@@ -13,7 +13,7 @@ shortened the iteration by 1.3-2.3% whatever stage was the bottleneck (equal
 microbatches reach the usual "ideal" time; these beat it).
 
 Balance stays the contract: the shape's CV is at most ``_SHAPE_SHARE`` of the CV
-a random equal-count cut gives (:func:`.pipeline_search.random_cut_cv`) on every
+a random equal-count cut gives (:func:`.common.random_cut_cv`) on every
 module it shapes (all of them for joint sets, the LLM alone for deferring ones), so
 shaped sets stay several times more even than what ``sequential`` or a cost-blind
 cut gives; a module that costs the same on every sample is never shaped (its sets
@@ -29,10 +29,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from .common import Candidate, Replicas, module_cv, mountain_positions, slot_sums
+from .common import (
+    Candidate,
+    Replicas,
+    module_cv,
+    mountain_positions,
+    random_cut_cv,
+    slot_sums,
+)
 from .encoder_sets import refine_vector
 from .llm_sets import fits_cap, llm_sets_fill, repair_joint
-from .pipeline_search import outliers, random_cut_cv
+from .pipeline_search import outliers
 
 __all__ = ["coshaped_candidate", "edge_shape", "shape_amplitudes", "shaped_candidates"]
 

@@ -32,8 +32,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .common import Inputs, Replicas, module_cv, module_loads, slot_sums
-from .pipeline_search import proxy_times, random_cut_cv, stage_costs
+from .common import Inputs, Replicas, module_cv, module_loads, random_cut_cv, slot_sums
+from .pipeline_search import proxy_times, stage_costs
 
 __all__ = ["shed_stalls"]
 
