@@ -22,14 +22,18 @@ over a mean microbatch, and the LPT lower bound on the largest microbatch); per 
 ``vsKeep`` is the throughput over the best keeping peer's, ``maxTok`` / ``maxPt`` the
 largest LLM set in tokens and encoder set in patches (entrain honours both caps, the patch
 cap by the token cap's rule); a summary checks the issue's claims over every row.
-Entrain is told the pipeline depth (``assign(pipeline_stages=--pp)``, as the loader
-service passes its plan's pp); ``--proxy-stages`` tells it another depth (0: none, its
-default), to measure a caller that does not pass the plan's.
+Entrain is told the pipeline depth (``assign(pipeline_stages=--pp)``) and the stage layout
+the simulator runs (``assign(stage_shares=)``, each module's share on every stage, measured
+on the drawn batches as the planner measures its profiled ones), as the loader service
+passes its plan's; ``--no-stage-shares`` tells it the depth only, ``--proxy-stages``
+another depth and no layout (0: no depth either, its default), to measure callers that do
+not pass the plan's.
 
     python bench/balance.py                       # paper setting: B=512, dp=4, M=32
     python bench/balance.py --batch 4096 --dp 16 --microbatches 16
     python bench/balance.py --frozen-encoders --tag frozen    # encoders forward only
     python bench/balance.py --pp 8 --proxy-stages 0 --tag pp8-untold
+    python bench/balance.py --no-stage-shares --tag depth-only   # told pp, not the layout
     python bench/balance.py --sim-cost convex --tag convex   # costs the methods do not see
     python bench/balance.py --mixes --workloads mix:chat,mix:docs  # mixes of the real corpora
 
@@ -88,6 +92,7 @@ from entrain_data.simulator import (  # noqa: E402
     ideal_iteration_time,
     simulate_pipeline,
     stage_sample_costs,
+    stage_shares,
     times_from_sample_costs,
 )
 
@@ -139,10 +144,13 @@ def sim_times(f: np.ndarray, b: np.ndarray, kind: str, ref=None) -> tuple[np.nda
     return out[0], out[1]
 
 
-def run_method(name, costs, per_stage, batches, dp, m, seed, frozen=False, pp=None, sim="linear"):
+def run_method(
+    name, costs, per_stage, batches, dp, m, seed, frozen=False, pp=None, sim="linear", shares=None
+):
     """K iterations of one method; returns summary figures and the per-iteration loads.
     ``pp``: the pipeline depth entrain is told (``assign(pipeline_stages=)``; None: its
-    default); ``sim``: the costs the simulator runs (:data:`SIM_COSTS`)."""
+    default); ``shares``: the stage layout it is told (``assign(stage_shares=)``; None:
+    none); ``sim``: the costs the simulator runs (:data:`SIM_COSTS`)."""
     sim_stage = sim_stage_costs(per_stage, sim)
     ref = mean_microbatch(per_stage, len(batches[0]) / (dp * m))
     method = "entrain" if name == "entrain_d2" else name
@@ -167,7 +175,7 @@ def run_method(name, costs, per_stage, batches, dp, m, seed, frozen=False, pp=No
         pcap = patch_caps(pt, dp, m) if method in PATCH_CAP_AWARE else None
         kw = dict(dp=dp, microbatches=m, defer_budget=budget, method=method, seed=seed)
         kw.update(frozen_encoders=frozen)  # entrain's pipeline proxy: no encoder backward
-        kw.update(pipeline_stages=pp)  # and its depth, the plan's pp
+        kw.update(pipeline_stages=pp, stage_shares=shares)  # and the plan's pp and stages
         kw.update(iteration=it, flush=it == len(batches) - 1, max_delay=delay, ages=ages)
         kw.update(encoder_patches=pt)
         t0 = time.perf_counter()
@@ -247,6 +255,8 @@ def bench_one(name, table, model_name, args):
     model = ModelSpec.from_names(list(encs), llm, frozen_encoders=args.frozen_encoders)
     stages = pick_stages(model, costs, np.stack(batches), args.pp)
     per_stage = stage_sample_costs(costs, stages)
+    told = args.proxy_stages is None and not args.no_stage_shares
+    shares = stage_shares(costs, stages, rows=np.unique(np.stack(batches))) if told else None
     res, loads = {}, {}
     for method in BENCH_METHODS:
         res[method], loads[method] = run_method(
@@ -260,6 +270,7 @@ def bench_one(name, table, model_name, args):
             args.frozen_encoders,
             args.pp if args.proxy_stages is None else (args.proxy_stages or None),
             args.sim_cost,
+            shares,
         )
     seq = res["sequential"]
     best_peer = max(PEERS, key=lambda k: res[k]["throughput"])
@@ -373,6 +384,11 @@ def main(argv=None) -> int:
         type=int,
         default=None,
         help="pipeline depth entrain is told (default: --pp; 0: not told, assign's default)",
+    )
+    p.add_argument(
+        "--no-stage-shares",
+        action="store_true",
+        help="tell entrain the depth only, not the plan's stage layout (assign(stage_shares=))",
     )
     p.add_argument("--iterations", type=int, default=8)
     p.add_argument(

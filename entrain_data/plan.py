@@ -193,6 +193,9 @@ class ParallelPlan:
     sharding: str = "optimizer"  # one of SHARDING
     model: dict = field(default_factory=dict)
     calibration: dict | None = None
+    # per stage, each encoder group's share of its work, then the LLM's (simulator.stage_shares
+    # on the profiled batches): the layout entrain's assignment prices; (): not recorded
+    stage_shares: tuple[tuple[float, ...], ...] = ()
     search: dict = field(default_factory=dict)
     schema_version: int = PLAN_SCHEMA_VERSION
 
@@ -225,10 +228,34 @@ class ParallelPlan:
             raise InvalidInput(
                 f"plan: field 'sharding' is {self.sharding!r}, choose one of {', '.join(SHARDING)}"
             )
+        self._check_stage_shares()
         if self.schema_version > PLAN_SCHEMA_VERSION:
             raise InvalidInput(
                 f"plan: schema version {self.schema_version} is newer than this package's ({PLAN_SCHEMA_VERSION})"
             )
+
+    def _check_stage_shares(self) -> None:
+        """``stage_shares`` as tuples of floats, [pp][encoder groups + 1], each column summing
+        to 1 (:func:`entrain_data.assignment.common.check_stage_shares`'s rules)."""
+        from .assignment.common import check_stage_shares
+
+        if self.stage_shares is None or not len(self.stage_shares):
+            object.__setattr__(self, "stage_shares", ())
+            return
+        try:
+            sh = check_stage_shares(self.stage_shares, len(self.encoder_groups()), self.pp)
+        except InvalidInput as exc:
+            raise InvalidInput(f"plan: field 'stage_shares': {exc}") from exc
+        object.__setattr__(self, "stage_shares", tuple(tuple(map(float, r)) for r in sh))
+
+    def with_stage_shares(self, costs: Any, rows: np.ndarray | None = None) -> ParallelPlan:
+        """This plan with ``stage_shares`` measured on ``costs`` (a
+        :class:`~entrain_data.cost_model.SampleCosts` of the plan's model; ``rows``: the
+        profiled samples, all where None), one column per :meth:`encoder_groups` group."""
+        from .simulator import stage_shares
+
+        sh = stage_shares(costs, self.stages, self.encoder_groups(), rows)
+        return replace(self, stage_shares=tuple(tuple(map(float, r)) for r in sh))
 
     # -------------------------------------------------------------- queries
     def model_spec(self) -> ModelSpec:
@@ -371,7 +398,8 @@ class ParallelPlan:
                     "model",
                 )
                 # new fields count only when set, so earlier plans keep their fingerprint
-                or (k in ("max_encoder_patches", "max_delay") and v)
+                # (stage_shares: the assignment prices on them, so they shape the stream)
+                or (k in ("max_encoder_patches", "max_delay", "stage_shares") and v)
             },
             sort_keys=True,
         )

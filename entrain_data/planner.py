@@ -212,7 +212,7 @@ def make_plan(
     cap, budget = caps(ctx, c.dp, c.microbatches)
     elapsed = time.perf_counter() - t0
     log.info("planned %d candidates (%d simulated) in %.2fs", len(cands), len(chosen), elapsed)
-    return ParallelPlan(
+    plan = ParallelPlan(
         world_size=cluster.world_size,
         gpus_per_node=cluster.gpus_per_node,
         dp=c.dp,
@@ -270,6 +270,8 @@ def make_plan(
             ],
         },
     )
+    # the layout as the service tells entrain's assignment (its proxy prices on it)
+    return plan.with_stage_shares(costs, np.unique(idx))
 
 
 def _profiled_batches(

@@ -44,6 +44,7 @@ __all__ = [
     "set_loads",
     "stage_times",
     "stage_sample_costs",
+    "stage_shares",
     "times_from_sample_costs",
     "simulate_assignment",
     "ideal_times",
@@ -239,6 +240,49 @@ def stage_sample_costs(
                 ef[:, s] += f
                 eb[:, s] += b
     return ef, eb, lf, lb
+
+
+def stage_shares(
+    costs: SampleCosts,
+    stages: Sequence[StagePlan],
+    groups: Sequence[Sequence[int]] | None = None,
+    rows: np.ndarray | None = None,
+) -> np.ndarray:
+    """[S, G + 1] the share of each encoder group's work, then the LLM's, that every stage
+    of ``stages`` holds: the stage layout as ``assign(stage_shares=)`` takes it.
+
+    ``groups`` lists the encoders of each cost column (``ParallelPlan.encoder_groups``, the
+    columns the loader service balances); None: one column per encoder. Work is forward plus
+    backward summed over ``rows`` of ``costs`` (every sample where None): the planner's
+    layer ranges follow the profiled load, and the embedding, the LM head and windowed
+    attention layers weigh differently from a plain layer, so a layer count would misplace
+    the cut. A module without work over those rows is shared by its layers.
+    """
+    groups = [[i] for i in range(costs.num_encoders)] if groups is None else groups
+    column = {int(i): g for g, members in enumerate(groups) for i in members}
+    k = len(groups) + 1
+    work, layers = np.zeros((len(stages), k)), np.zeros((len(stages), k))
+    for s, st in enumerate(stages):
+        for seg in st.segments:
+            if seg.encoder_index is not None and seg.encoder_index not in column:
+                raise InvalidInput(
+                    f"stage_shares: stage {s} holds encoder {seg.encoder_index}, which no "
+                    f"group of {[list(g) for g in groups]} names"
+                )
+            c = k - 1 if seg.encoder_index is None else column[seg.encoder_index]
+            f, b = costs.stage_cost(
+                seg.encoder_index, seg.layer_start, seg.layer_end, seg.first, seg.last
+            )
+            t = f + b
+            work[s, c] += float(t.sum() if rows is None else t[rows].sum())
+            layers[s, c] += seg.layer_end - seg.layer_start
+    w = np.where(work.sum(axis=0) > 0, work, layers)
+    total = w.sum(axis=0)
+    if (total <= 0).any():
+        k_bad = int(np.flatnonzero(total <= 0)[0])
+        name = "the LLM" if k_bad == k - 1 else f"encoder column {k_bad}"
+        raise InvalidInput(f"stage_shares: no stage holds a layer of {name}")
+    return w / total
 
 
 def times_from_sample_costs(

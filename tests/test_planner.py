@@ -120,7 +120,7 @@ def test_value_types_validate():
 
 
 def test_rank_coords_follow_megatron_order(plan):
-    p = replace(plan, world_size=16, dp=2, tp=2, pp=4, stages=plan.stages[:1] * 4)
+    p = replace(plan, world_size=16, dp=2, tp=2, pp=4, stages=plan.stages[:1] * 4, stage_shares=())
     coords = [p.rank_coords(r) for r in range(16)]
     assert len({(c.replica, c.stage, c.tp_rank) for c in coords}) == 16
     assert [c.tp_rank for c in coords[:4]] == [0, 1, 0, 1]  # tp fastest

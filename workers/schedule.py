@@ -114,13 +114,23 @@ def frozen_columns(plan: ParallelPlan, encoder_cost: np.ndarray) -> list[bool] |
     return groups if groups and len(groups) == np.shape(encoder_cost)[1] else None
 
 
+def plan_stage_shares(plan: ParallelPlan, encoder_cost: np.ndarray) -> np.ndarray | None:
+    """The plan's recorded stage shares ([pp, groups + 1]) where its columns are the source's
+    cost columns, else None (an older plan without them, or a wrapped Dataset's own costs):
+    entrain then lays its proxy's stages out from the costs, knowing the depth only."""
+    sh = np.asarray(plan.stage_shares, dtype=np.float64)
+    return sh if sh.ndim == 2 and sh.shape[1] == np.shape(encoder_cost)[1] + 1 else None
+
+
 class Scheduler:
     """Global batches and their assignment, computed ahead of need and cached per iteration.
 
     ``encoder_cost`` [N, E], ``llm_cost`` [N] and ``tokens`` [N] are per-sample
     costs over the whole index (from the cost model, computed once). ``assign_fn``
     replaces :func:`~entrain_data.assignment.assign` (same signature; tests slow it down).
-    ``pipeline_stages`` is the plan's pp, the depth of entrain's proxy pipeline.
+    ``pipeline_stages`` is the plan's pp, the depth of entrain's proxy pipeline;
+    ``stage_shares`` ([pp, E + 1], :func:`plan_stage_shares`) the plan's stages themselves,
+    which entrain's proxy then prices on.
     """
 
     def __init__(
@@ -143,6 +153,7 @@ class Scheduler:
         encoder_stats: tuple[np.ndarray, dict[str, np.ndarray]] | None = None,
         frozen_encoders: list[bool] | None = None,
         pipeline_stages: int | None = None,
+        stage_shares: np.ndarray | None = None,
     ) -> None:
         self.encoder_cost = np.asarray(encoder_cost)
         self.llm_cost = np.asarray(llm_cost)
@@ -160,6 +171,7 @@ class Scheduler:
         # per encoder column: forward only (entrain's pipeline proxy places no backward)
         self.frozen_encoders = list(frozen_encoders or [])
         self.pipeline_stages = pipeline_stages  # the plan's pp: the depth entrain's proxy prices
+        self.stage_shares = stage_shares  # the plan's stages: what entrain's proxy prices on
         n = len(self.llm_cost)
         min_batch = self.dp * self.microbatches
         probe = epoch_batches(n, self.global_batch, min_batch, self.seed, 0)
@@ -223,6 +235,8 @@ class Scheduler:
             extra["frozen_encoders"] = self.frozen_encoders
         if self.pipeline_stages is not None:
             extra["pipeline_stages"] = self.pipeline_stages
+        if self.stage_shares is not None:
+            extra["stage_shares"] = self.stage_shares
         if ages is not None:  # nothing leaves its epoch: the last iteration flushes the queue
             extra["flush"] = iteration == self.shape.iterations - 1
             if self.max_delay > 0:

@@ -82,6 +82,7 @@ def assign(
     ages: np.ndarray | None = None,
     frozen_encoders: bool | Sequence[bool] = False,
     pipeline_stages: int | None = None,
+    stage_shares: np.ndarray | None = None,
 ) -> Assignment:
     """Assign a global batch to ``dp`` replicas x ``microbatches`` encoder and LLM sets.
 
@@ -109,7 +110,13 @@ def assign(
     up to 2.1% to the best peer on rows that the right depth wins. None (the depth is not
     known): the pick prices each candidate on 2, 4 and 8 stages (the mean of its times
     relative to each depth's even pipeline) and the search runs on 4. The loader service
-    passes its plan's pp; callers that know theirs should too. The other methods ignore it.
+    passes its plan's pp; callers that know theirs should too. ``stage_shares`` ([S, E + 1],
+    per stage each encoder column's share of that column's work, then the LLM's; every
+    column sums to 1) is the plan's stage layout itself (:func:`~entrain_data.simulator.
+    stage_shares`, stored in the plan): entrain's proxy pipeline then runs on the plan's
+    stages instead of ones laid out from the batch's module totals, and S is the depth
+    (``pipeline_stages``, if given too, must equal it). The loader service passes its
+    plan's. The other methods ignore both.
     Raises :class:`~entrain_data.errors.InvalidInput` (a ``ValueError``) naming the
     problem on bad input.
     """
@@ -131,6 +138,7 @@ def assign(
         ages,
         frozen_encoders,
         pipeline_stages,
+        stage_shares,
     )
     if method == "entrain":
         return assign_delayed(x, seed, iteration, flush)

@@ -18,6 +18,7 @@ __all__ = [
     "Candidate",
     "validate_inputs",
     "check_assignment",
+    "check_stage_shares",
     "rng_for",
     "slot_sums",
     "module_cv",
@@ -99,6 +100,9 @@ class Inputs:
     # on; None: this batch's own. ``max_delay`` sets it to the iteration's fresh samples'
     # (:func:`.delay.assign_delayed`): the plan's stages do not move with what is carried
     layout: np.ndarray | None = None
+    # [S, E + 1] the plan's stages as told (assign's ``stage_shares``): the share of each
+    # module's work every stage holds; the proxy then lays nothing out (``layout`` unused)
+    shares: np.ndarray | None = None
 
     @property
     def n(self) -> int:
@@ -129,6 +133,7 @@ class Replicas:
     stages: int = DEFAULT_PIPELINE_STAGES  # depth of the proxy pipeline (the plan's pp)
     depth_known: bool = True  # False: no pp was given; the pick prices UNKNOWN_DEPTHS
     layout: np.ndarray | None = None  # [E + 1] module totals of the proxy's stages (Inputs')
+    shares: np.ndarray | None = None  # [S, E + 1] the plan's stage shares, where told (Inputs')
 
     @cached_property
     def module_costs(self) -> np.ndarray:
@@ -259,6 +264,7 @@ def validate_inputs(
     ages=None,
     frozen_encoders=False,
     pipeline_stages=None,
+    stage_shares=None,
 ) -> Inputs:
     """Check shapes, values and feasibility; raise :class:`InvalidInput` naming the problem."""
     enc = np.asarray(encoder_cost, dtype=np.float64)
@@ -277,7 +283,8 @@ def validate_inputs(
         raise InvalidInput(
             f"mismatched lengths: encoder_cost has {enc.shape[0]} rows, llm_cost {b}, tokens {len(tok)}"
         )
-    if enc.shape[1] == 0:
+    columns = enc.shape[1]  # as given: stage_shares names these (and the LLM)
+    if columns == 0:
         enc = np.zeros((b, 1))
     for name, arr in (("encoder_cost", enc), ("llm_cost", llm)):
         bad = np.flatnonzero(~np.isfinite(arr).all(axis=-1) if arr.ndim == 2 else ~np.isfinite(arr))
@@ -337,6 +344,11 @@ def validate_inputs(
             f"pipeline_stages must be an integer >= 1 (the plan's pp) or None, "
             f"got {pipeline_stages!r}"
         )
+    shares = check_stage_shares(stage_shares, columns, pipeline_stages if depth_known else None)
+    if shares is not None:
+        pipeline_stages, depth_known = len(shares), True
+        if columns == 0:  # the zero encoder column stands where the LLM does (it has no work)
+            shares = np.concatenate([shares[:, -1:], shares], axis=1)
     return Inputs(
         enc,
         llm,
@@ -352,7 +364,46 @@ def validate_inputs(
         _check_frozen(enc.shape[1], frozen_encoders),
         int(pipeline_stages),
         depth_known,
+        shares=shares,
     )
+
+
+_SHARE_TOLERANCE = 1e-6  # how far a module's shares may sum from 1 (rounding in a plan's JSON)
+
+
+def check_stage_shares(
+    stage_shares, e: int, pipeline_stages: int | None = None
+) -> np.ndarray | None:
+    """[S, E + 1] float64 from ``stage_shares`` (None passes; ``e`` encoder columns): every
+    module's shares are finite, >= 0 and sum to 1 over the stages (each module lives on some
+    stage), and S is ``pipeline_stages`` where that is given too."""
+    if stage_shares is None:
+        return None
+    try:
+        sh = np.asarray(stage_shares, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise InvalidInput(f"stage_shares must be a numeric [S, {e + 1}] array ({exc})") from exc
+    if sh.ndim != 2 or sh.shape[1] != e + 1 or len(sh) < 1:
+        raise InvalidInput(
+            f"stage_shares must be [S, {e + 1}] (per stage, each encoder column's share then "
+            f"the LLM's), got shape {sh.shape}"
+        )
+    if not np.isfinite(sh).all() or (sh < 0).any():
+        raise InvalidInput(f"stage_shares must be finite and >= 0, got {sh.tolist()}")
+    sums = sh.sum(axis=0)
+    bad = np.flatnonzero(np.abs(sums - 1.0) > _SHARE_TOLERANCE)
+    if len(bad):
+        k = int(bad[0])
+        name = "the LLM" if k == e else f"encoder column {k}"
+        raise InvalidInput(
+            f"stage_shares: the shares of {name} sum to {sums[k]:.6g} over the stages, not 1"
+        )
+    if pipeline_stages is not None and len(sh) != pipeline_stages:
+        raise InvalidInput(
+            f"stage_shares has {len(sh)} stages, not the pipeline depth {pipeline_stages} "
+            "(pipeline_stages, the plan's pp)"
+        )
+    return sh
 
 
 def _check_frozen(e: int, frozen_encoders) -> np.ndarray | None:

@@ -35,9 +35,9 @@ one (the batch with copies of them appended, assigned the same way); the
 cheapest wins, an option that carries only where it is ``GAIN`` cheaper than the
 cheapest before it (no delay first). Where no delay cannot meet a cap, the options
 that can are ranked by this iteration's time alone. Every option, its landing and a
-landing iteration itself are laid out on one pipeline: the stages the fresh samples'
-module mix gives (:func:`fresh_layout`), as the plan's stages stay where they are
-whatever is carried.
+landing iteration itself are priced on one pipeline: the plan's stages where the caller
+told them (``stage_shares``), else the stages the fresh samples' module mix gives
+(:func:`fresh_layout`), as the plan's stages stay where they are whatever is carried.
 
 Every sample is still trained exactly once: the caller prepends the carried
 samples to the next global batch with their age plus one (see
@@ -110,13 +110,14 @@ def assign_delayed(x: Inputs, seed: int, iteration: int, flush: bool) -> Assignm
     the module docstring); with ``max_delay=0`` plain entrain. Every batch it prices or
     assigns is laid out on :func:`fresh_layout`, but for one of only fresh samples kept
     whole, laid out on its own totals (the same numbers, summed as plain entrain sums them:
-    where nothing waits, the assignment is plain entrain's)."""
+    where nothing waits, the assignment is plain entrain's). Told the plan's stages
+    (``x.shares``), every batch is priced on those and no layout is derived."""
     if x.max_delay <= 0:
         return assign_entrain(x, seed, iteration)
     # every option, its landing and a landing iteration on the fresh samples' stages; a
     # batch of fresh samples kept whole on its own (the same totals, summed as plain entrain
     # sums them: where nothing waits, max_delay changes nothing)
-    laid = replace(x, layout=fresh_layout(x))
+    laid = x if x.shares is not None else replace(x, layout=fresh_layout(x))
     whole = laid if x.ages is not None and (x.ages > 0).any() else x
     options = [np.zeros(0, np.int64)]
     for sh in SHARES:

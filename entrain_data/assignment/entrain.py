@@ -207,6 +207,7 @@ def replicas_of(x: Inputs, members: np.ndarray) -> Replicas:
         stages=x.stages,
         depth_known=x.depth_known,
         layout=x.layout,
+        shares=x.shares,
     )
 
 

@@ -10,14 +10,19 @@ microbatch; 1F1B lets a stage run only a few microbatches ahead of the next, so
 the LLM stage stalls unless its own work around those points is heavy enough
 to cover them. Sums cannot express that; a simulation can.
 
-``assign`` sees per-module costs and the plan's depth (``pipeline_stages``, the plan's
-pp; 4 where not given, the pick then hedging over several: :func:`depth_blind_pricer`), not
-its stage layout, so the simulation runs on a proxy pipeline
-built from those costs the way the static planner builds layouts: that many stages, the
-encoders in front (their chain of columns cut into equal contiguous shares, or all on the
-first stage with the head of the LLM), the LLM behind, the split between them the one whose
-busiest stage is lightest (:func:`proxy_stage_shares`); a module's cost is one third
-forward, two thirds backward (a trainable module).
+``assign`` sees per-module costs and, where the caller has the plan, its stage layout as
+each module's share of work on every stage (``stage_shares``, the plan's; the loader
+service passes it): the simulation then runs on the plan's stages. Without it ``assign``
+knows at most the plan's depth (``pipeline_stages``, the plan's pp; 4 where not given, the
+pick then hedging over several: :func:`depth_blind_pricer`), and the simulation runs on a
+proxy pipeline built from the costs the way the static planner builds layouts: that many
+stages, the encoders in front (their chain of columns cut into equal contiguous shares, or
+all on the first stage with the head of the LLM), the LLM behind, the split between them the
+one whose busiest stage is lightest (:func:`proxy_stage_shares`). Laid out from sample
+totals, those shares miss the plan's by what the planner's layer granularity and the
+embedding, head and windowed layers move; told the plan's, entrain's mean lead over the best
+peer grew by 0.2-0.4% at every setting of ``bench/balance.py`` (bench/RESULTS.md). Either
+way a module's cost is one third forward, two thirds backward (a trainable module).
 
 The search itself is a seeded local search over whole-sample moves, all
 replicas at once: each round draws ``_CANDIDATES`` moves per replica (a
@@ -180,13 +185,19 @@ def _forward_shares(frozen: np.ndarray | None, e_count: int) -> np.ndarray:
     return np.where(frozen, 1.0, _FWD_SHARE)
 
 
-def _per_stage(enc_cols, llm, valid, frozen=None, stages=DEFAULT_PIPELINE_STAGES, layout=None):
+def _per_stage(
+    enc_cols, llm, valid, frozen=None, stages=DEFAULT_PIPELINE_STAGES, layout=None, shares=None
+):
     """Per-sample proxy stage costs [R, n, S] on ``stages`` stages: encoder forward (with
     E), forward and backward that run with L (LLM forward; encoder and LLM backward). A
     frozen encoder (``frozen`` [E] bool) is all forward: its whole cost runs with E. The
-    stages are laid out on ``layout`` (module totals [K]) where given, else on these samples'."""
-    totals = _module_totals(enc_cols, llm, valid) if layout is None else layout
-    sh = proxy_stage_shares(totals, stages)  # [S, K]
+    stages are the plan's ``shares`` ([S, K]) where told, else laid out on ``layout``
+    (module totals [K]) where given, else on these samples'."""
+    if shares is not None:
+        sh = shares
+    else:
+        totals = _module_totals(enc_cols, llm, valid) if layout is None else layout
+        sh = proxy_stage_shares(totals, stages)  # [S, K]
     l_stage = llm[..., None] * sh[None, None, :, -1]
     zero = ~valid[..., None]
     lf = np.where(zero, 0.0, _FWD_SHARE * l_stage)
@@ -204,7 +215,7 @@ def _per_stage(enc_cols, llm, valid, frozen=None, stages=DEFAULT_PIPELINE_STAGES
 
 def stage_costs(rp: Replicas):
     """(ef, lf, lb) [R, n, S] of ``rp``'s members on its proxy pipeline (:func:`_per_stage`)."""
-    return _per_stage(rp.enc_cols, rp.llm, rp.valid, rp.frozen, rp.stages, rp.layout)
+    return _per_stage(rp.enc_cols, rp.llm, rp.valid, rp.frozen, rp.stages, rp.layout, rp.shares)
 
 
 def _loads(idx, per_sample, valid, m):
