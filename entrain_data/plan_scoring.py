@@ -25,6 +25,7 @@ from .simulator import (
     set_loads,
     simulate_pipeline,
     stage_sample_costs,
+    stage_shares,
     times_from_sample_costs,
 )
 from .token_caps import cap_rule, count_floor, share_need, token_caps
@@ -147,8 +148,10 @@ def simulate(ctx: PlanContext, chosen, costs, idx, seed, schedule) -> tuple[list
     refuses it: few samples per replica can outweigh the cap's allowance of one
     sample of imbalance) is infeasible and dropped; PlanError when none is left.
 
-    Assignments depend on (dp, microbatches) only and per-stage sample costs on
-    the stage layout only, so both are computed once and shared. Every layout
+    Assignments depend on (dp, microbatches) and the layout's stage shares (entrain prices on
+    the plan's stages, as the service tells it: :func:`~entrain_data.simulator.stage_shares`),
+    per-stage sample costs on the stage layout only, so both are computed once and shared
+    by the layouts that have them in common. Every layout
     is first scored on ``SCREEN_BATCHES`` batches; one slower than the best by
     more than ``SCREEN_MARGIN`` there (far beyond the batch-to-batch spread of
     a global-batch sum) is not simulated further and stays NaN on the rest.
@@ -164,9 +167,15 @@ def simulate(ctx: PlanContext, chosen, costs, idx, seed, schedule) -> tuple[list
 
     unservable: dict[int, str] = {}
 
+    profiled = np.unique(idx)
+    shares: dict[int, np.ndarray] = {}
+
     def run(ci: int, k: int) -> None:
         c, b = chosen[ci], idx[k]
-        akey = (c.dp, c.microbatches, c.pp, k)
+        if id(c.stages) not in shares:
+            shares[id(c.stages)] = stage_shares(costs, c.stages, rows=profiled)
+        sh = shares[id(c.stages)]
+        akey = (c.dp, c.microbatches, sh.shape, sh.round(9).tobytes(), k)
         if akey not in assignments:
             cap, budget = caps(ctx, c.dp, c.microbatches)
             try:
@@ -182,7 +191,7 @@ def simulate(ctx: PlanContext, chosen, costs, idx, seed, schedule) -> tuple[list
                     seed=seed,
                     iteration=k,
                     frozen_encoders=frozen,
-                    pipeline_stages=c.pp,
+                    stage_shares=sh,
                 )
             except InvalidInput as e:  # this (dp, M)'s cap cannot serve batch k
                 assignments[akey] = e
