@@ -435,7 +435,7 @@ def synthetic_stream(
         a = assign(
             enc, llm, tok, dp=plan.dp, microbatches=plan.microbatches, max_tokens=plan.max_tokens,
             defer_budget=plan.defer_budget, method=plan.method, seed=seed, iteration=it,
-            pipeline_stages=plan.pp,
+            pipeline_stages=plan.pp, stage_shares=plan.shares_for(1),
         )  # fmt: skip
         by_key = {s.key: s for s in batch}
         keys = [s.key for s in batch]

@@ -25,6 +25,7 @@ __all__ = [
     "RankCoords",
     "ParallelPlan",
     "SHARDING",
+    "encoder_groups",
 ]
 
 PLAN_SCHEMA_VERSION = 1
@@ -165,6 +166,35 @@ class RankCoords(NamedTuple):
     tp_rank: int
 
 
+def encoder_groups(stages: tuple[StagePlan, ...]) -> list[list[int]]:
+    """Encoder columns that share a pipeline stage of ``stages``, grouped (ascending, disjoint).
+
+    Assignment balances one load per group: encoders on the same stage (all
+    of them when ``pp == 1``) run on the same GPU one after the other, so the
+    stage waits for their *sum*; balancing each alone would weigh a cheap
+    encoder as much as an expensive one.
+    """
+    n_enc = max(
+        [s.encoder_index + 1 for st in stages for s in st.segments if s.encoder_index is not None],
+        default=0,
+    )
+    parent = list(range(n_enc))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            i = parent[i]
+        return i
+
+    for st in stages:
+        idx = sorted({s.encoder_index for s in st.segments if s.encoder_index is not None})
+        for j in idx[1:]:
+            parent[root(j)] = root(idx[0])
+    groups: dict[int, list[int]] = {}
+    for i in range(n_enc):
+        groups.setdefault(root(i), []).append(i)
+    return sorted(groups.values())
+
+
 @dataclass(frozen=True)
 class ParallelPlan:
     """The static plan (see DESIGN.md, "Static plan"): layout, microbatching, expectations."""
@@ -239,7 +269,7 @@ class ParallelPlan:
         to 1 (:func:`entrain_data.assignment.common.check_stage_shares`'s rules)."""
         from .assignment.common import check_stage_shares
 
-        if self.stage_shares is None or not len(self.stage_shares):
+        if self.stage_shares is None or np.size(self.stage_shares) == 0:
             object.__setattr__(self, "stage_shares", ())
             return
         try:
@@ -247,6 +277,14 @@ class ParallelPlan:
         except InvalidInput as exc:
             raise InvalidInput(f"plan: field 'stage_shares': {exc}") from exc
         object.__setattr__(self, "stage_shares", tuple(tuple(map(float, r)) for r in sh))
+
+    def shares_for(self, encoder_columns: int) -> np.ndarray | None:
+        """The recorded ``stage_shares`` as [pp, groups + 1] where a caller's cost columns are
+        as many as the plan's encoder groups (a source priced by the plan's model, or a user's
+        one encoder cost beside a one-group plan), else None (none recorded, or other
+        columns): what ``assign(stage_shares=)`` takes."""
+        sh = np.asarray(self.stage_shares, dtype=np.float64)
+        return sh if sh.ndim == 2 and sh.shape[1] == encoder_columns + 1 else None
 
     def with_stage_shares(self, costs: Any, rows: np.ndarray | None = None) -> ParallelPlan:
         """This plan with ``stage_shares`` measured on ``costs`` (a
@@ -282,37 +320,8 @@ class ParallelPlan:
         ]
 
     def encoder_groups(self) -> list[list[int]]:
-        """Encoder columns that share a pipeline stage, grouped (ascending, disjoint).
-
-        Assignment balances one load per group: encoders on the same stage (all
-        of them when ``pp == 1``) run on the same GPU one after the other, so the
-        stage waits for their *sum*; balancing each alone would weigh a cheap
-        encoder as much as an expensive one.
-        """
-        n_enc = max(
-            [
-                s.encoder_index + 1
-                for st in self.stages
-                for s in st.segments
-                if s.encoder_index is not None
-            ],
-            default=0,
-        )
-        parent = list(range(n_enc))
-
-        def root(i: int) -> int:
-            while parent[i] != i:
-                i = parent[i]
-            return i
-
-        for st in self.stages:
-            idx = sorted({s.encoder_index for s in st.segments if s.encoder_index is not None})
-            for j in idx[1:]:
-                parent[root(j)] = root(idx[0])
-        groups: dict[int, list[int]] = {}
-        for i in range(n_enc):
-            groups.setdefault(root(i), []).append(i)
-        return sorted(groups.values())
+        """Encoder columns that share a pipeline stage, grouped (:func:`encoder_groups`)."""
+        return encoder_groups(self.stages)
 
     def llm_layer_ranges(
         self, who: str, *, encoder_stages: bool = False, hint: str = ""

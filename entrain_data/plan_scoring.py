@@ -10,7 +10,7 @@ import numpy as np
 
 from .assignment import assign
 from .errors import InvalidInput, PlanError
-from .plan import Cluster, StagePlan
+from .plan import Cluster, StagePlan, encoder_groups
 from .plan_layout import stage_params
 from .plan_time import (
     OVERHEAD_PER_MICROBATCH,
@@ -148,39 +148,54 @@ def simulate(ctx: PlanContext, chosen, costs, idx, seed, schedule) -> tuple[list
     refuses it: few samples per replica can outweigh the cap's allowance of one
     sample of imbalance) is infeasible and dropped; PlanError when none is left.
 
-    Assignments depend on (dp, microbatches) and the layout's stage shares (entrain prices on
-    the plan's stages, as the service tells it: :func:`~entrain_data.simulator.stage_shares`),
-    per-stage sample costs on the stage layout only, so both are computed once and shared
-    by the layouts that have them in common. Every layout
+    Assignments depend on (dp, microbatches) and on the layout's encoder groups and stage
+    shares: entrain gets the cost columns and the shares the loader service will give it
+    under that layout (:func:`~entrain_data.simulator.stage_shares`). Per-stage sample costs
+    depend on the stage layout only. Both are computed once and shared by the layouts that
+    have them in common. Every layout
     is first scored on ``SCREEN_BATCHES`` batches; one slower than the best by
     more than ``SCREEN_MARGIN`` there (far beyond the batch-to-batch spread of
     a global-batch sum) is not simulated further and stays NaN on the rest.
     """
     enc_cost, llm_cost = costs.encoder_cost(), costs.llm_cost()
     tok = costs.llm_tokens.astype(np.int64)
-    frozen = [e.frozen for e in ctx.model.encoders]  # forward-only encoders: no backward in L
-    frozen = frozen if len(frozen) == np.shape(enc_cost)[1] and any(frozen) else False
+    enc_frozen = [e.frozen for e in ctx.model.encoders]  # forward only: no backward in L
     sims = np.full((len(chosen), len(idx)), np.nan)
     means_fb: list[list] = [[] for _ in chosen]  # per batch: (mean fwd [S], mean bwd [S], sync)
-    assignments: dict[tuple[int, int, int], object] = {}
+    assignments: dict[tuple, object] = {}
     per_stage: dict[int, tuple] = {}
 
     unservable: dict[int, str] = {}
 
     profiled = np.unique(idx)
-    shares: dict[int, np.ndarray] = {}
+    columns: dict[int, tuple] = {}
+
+    def served(stages) -> tuple:
+        """(encoder cost [N, G], frozen per group, stage shares [S, G + 1], key) of a layout:
+        the columns and shares the loader service gives ``assign`` under it (one column per
+        group of encoders that share a stage, ``ParallelPlan.encoder_groups``)."""
+        if id(stages) not in columns:
+            groups = encoder_groups(stages)
+            enc = (
+                np.stack([enc_cost[:, g].sum(axis=1) for g in groups], axis=1)
+                if groups
+                else enc_cost
+            )
+            frozen = [all(enc_frozen[i] for i in g) for g in groups]
+            sh = stage_shares(costs, stages, groups, rows=profiled)
+            key = (str(groups), sh.shape, sh.round(9).tobytes())
+            columns[id(stages)] = (enc, frozen if any(frozen) else False, sh, key)
+        return columns[id(stages)]
 
     def run(ci: int, k: int) -> None:
         c, b = chosen[ci], idx[k]
-        if id(c.stages) not in shares:
-            shares[id(c.stages)] = stage_shares(costs, c.stages, rows=profiled)
-        sh = shares[id(c.stages)]
-        akey = (c.dp, c.microbatches, sh.shape, sh.round(9).tobytes(), k)
+        enc, frozen, sh, skey = served(c.stages)
+        akey = (c.dp, c.microbatches, skey, k)
         if akey not in assignments:
             cap, budget = caps(ctx, c.dp, c.microbatches)
             try:
                 assignments[akey] = assign(
-                    enc_cost[b],
+                    enc[b],
                     llm_cost[b],
                     tok[b],
                     dp=c.dp,

@@ -253,7 +253,8 @@ def stage_shares(
 
     ``groups`` lists the encoders of each cost column (``ParallelPlan.encoder_groups``, the
     columns the loader service balances); None: one column per encoder. Work is forward plus
-    backward summed over ``rows`` of ``costs`` (every sample where None): the planner's
+    backward (and the forward again on a stage that recomputes) summed over ``rows`` of
+    ``costs`` (every sample where None): the planner's
     layer ranges follow the profiled load, and the embedding, the LM head and windowed
     attention layers weigh differently from a plain layer, so a layer count would misplace
     the cut. A module without work over those rows is shared by its layers.
@@ -273,7 +274,7 @@ def stage_shares(
             f, b = costs.stage_cost(
                 seg.encoder_index, seg.layer_start, seg.layer_end, seg.first, seg.last
             )
-            t = f + b
+            t = f * (1 + st.recompute) + b  # a recomputing stage runs its forward twice
             work[s, c] += float(t.sum() if rows is None else t[rows].sum())
             layers[s, c] += seg.layer_end - seg.layer_start
     w = np.where(work.sum(axis=0) > 0, work, layers)

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from entrain_data.workers.schedule import Scheduler, plan_stage_shares
+from entrain_data.workers.schedule import Scheduler
 
 from entrain_data.assignment import assign
 from entrain_data.assignment.pipeline_search import _module_totals, proxy_stage_shares
@@ -58,6 +58,9 @@ def test_shares_are_each_modules_work_on_every_stage():
     enc = (ef + eb).sum(axis=0)  # both encoders' columns together, per stage
     per_enc = costs.encoder_cost().sum(axis=0)
     np.testing.assert_allclose(sh[:, :-1] @ per_enc, enc)
+    # a stage that recomputes runs its forward twice: its share grows
+    rc = stage_shares(costs, (replace(stages[0], recompute=True), *stages[1:]))
+    assert rc[0, 0] > sh[0, 0] and rc[0, 1] == sh[0, 1] == 0.0
     # grouped (the service's columns): the two encoders as one column
     g = stage_shares(costs, stages, groups=[[0, 1]])
     np.testing.assert_allclose(g[:, 0], enc / enc.sum())
@@ -163,8 +166,8 @@ def test_the_planner_records_its_layouts_shares(plan):
 
 
 def test_the_service_passes_the_plans_shares_to_assign(plan):
-    """The scheduler hands assign the plan's shares where the source's columns are the plan's
-    groups; with other columns (a wrapped Dataset's one cost) it passes none."""
+    """The scheduler hands assign the plan's shares where the source's columns are as many as
+    the plan's groups; with another number of columns the plan gives none."""
     table = synthesize("qwen2vl-dynamic", 1024, seed=6)
     costs = per_sample_costs(table, plan.model_spec())
     enc = plan.stage_encoder_cost(costs.encoder_cost())
@@ -174,8 +177,9 @@ def test_the_service_passes_the_plans_shares_to_assign(plan):
         seen.append(kw.get("stage_shares"))
         return assign(*args, **kw)
 
-    sh = plan_stage_shares(plan, enc)
-    assert sh is not None and plan_stage_shares(plan, enc[:, :0].repeat(3, axis=1)) is None
+    sh = plan.shares_for(enc.shape[1])
+    assert sh is not None and sh.shape == (plan.pp, enc.shape[1] + 1)
+    assert plan.shares_for(3) is None and replace(plan, stage_shares=()).shares_for(1) is None
     s = Scheduler(enc, costs.llm_cost(), costs.llm_tokens, dp=plan.dp,
                   microbatches=plan.microbatches, global_batch=plan.global_batch, max_tokens=None,
                   defer_budget=None, method="entrain", seed=0, assign_fn=spy,

@@ -114,14 +114,6 @@ def frozen_columns(plan: ParallelPlan, encoder_cost: np.ndarray) -> list[bool] |
     return groups if groups and len(groups) == np.shape(encoder_cost)[1] else None
 
 
-def plan_stage_shares(plan: ParallelPlan, encoder_cost: np.ndarray) -> np.ndarray | None:
-    """The plan's recorded stage shares ([pp, groups + 1]) where its columns are the source's
-    cost columns, else None (an older plan without them, or a wrapped Dataset's own costs):
-    entrain then lays its proxy's stages out from the costs, knowing the depth only."""
-    sh = np.asarray(plan.stage_shares, dtype=np.float64)
-    return sh if sh.ndim == 2 and sh.shape[1] == np.shape(encoder_cost)[1] + 1 else None
-
-
 class Scheduler:
     """Global batches and their assignment, computed ahead of need and cached per iteration.
 
@@ -129,7 +121,7 @@ class Scheduler:
     costs over the whole index (from the cost model, computed once). ``assign_fn``
     replaces :func:`~entrain_data.assignment.assign` (same signature; tests slow it down).
     ``pipeline_stages`` is the plan's pp, the depth of entrain's proxy pipeline;
-    ``stage_shares`` ([pp, E + 1], :func:`plan_stage_shares`) the plan's stages themselves,
+    ``stage_shares`` ([pp, E + 1], ``ParallelPlan.shares_for``) the plan's stages themselves,
     which entrain's proxy then prices on.
     """
 
