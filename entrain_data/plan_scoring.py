@@ -4,7 +4,7 @@ batches (:func:`simulate`), which :func:`~entrain_data.planner.make_plan` picks 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -168,13 +168,19 @@ def simulate(ctx: PlanContext, chosen, costs, idx, seed, schedule) -> tuple[list
     unservable: dict[int, str] = {}
 
     profiled = np.unique(idx)
-    columns: dict[int, tuple] = {}
+    columns: dict[tuple, tuple] = {}
 
-    def served(stages) -> tuple:
+    def served(c: Candidate) -> tuple:
         """(encoder cost [N, G], frozen per group, stage shares [S, G + 1], key) of a layout:
         the columns and shares the loader service gives ``assign`` under it (one column per
-        group of encoders that share a stage, ``ParallelPlan.encoder_groups``)."""
-        if id(stages) not in columns:
+        group of encoders that share a stage, ``ParallelPlan.encoder_groups``; the shares of
+        its stages with their recomputation, as the plan records them)."""
+        ckey = (id(c.stages), tuple(c.recompute))
+        if ckey not in columns:
+            stages = tuple(
+                replace(st, recompute=bool(rc))
+                for st, rc in zip(c.stages, c.recompute or (False,) * len(c.stages))
+            )
             groups = encoder_groups(stages)
             enc = (
                 np.stack([enc_cost[:, g].sum(axis=1) for g in groups], axis=1)
@@ -184,12 +190,12 @@ def simulate(ctx: PlanContext, chosen, costs, idx, seed, schedule) -> tuple[list
             frozen = [all(enc_frozen[i] for i in g) for g in groups]
             sh = stage_shares(costs, stages, groups, rows=profiled)
             key = (str(groups), sh.shape, sh.round(9).tobytes())
-            columns[id(stages)] = (enc, frozen if any(frozen) else False, sh, key)
-        return columns[id(stages)]
+            columns[ckey] = (enc, frozen if any(frozen) else False, sh, key)
+        return columns[ckey]
 
     def run(ci: int, k: int) -> None:
         c, b = chosen[ci], idx[k]
-        enc, frozen, sh, skey = served(c.stages)
+        enc, frozen, sh, skey = served(c)
         akey = (c.dp, c.microbatches, skey, k)
         if akey not in assignments:
             cap, budget = caps(ctx, c.dp, c.microbatches)
