@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from entrain_data.workers.schedule import Scheduler
+from entrain_data.workers.schedule import Scheduler, plan_shares
 
 from entrain_data.assignment import assign
 from entrain_data.assignment.pipeline_search import _module_totals, proxy_stage_shares
@@ -177,7 +177,8 @@ def test_the_service_passes_the_plans_shares_to_assign(plan):
         seen.append(kw.get("stage_shares"))
         return assign(*args, **kw)
 
-    sh = plan.shares_for(enc.shape[1])
+    sh = plan_shares(plan, enc)  # what the coordinator passes
+    assert np.array_equal(sh, plan.shares_for(enc.shape[1]))
     assert sh is not None and sh.shape == (plan.pp, enc.shape[1] + 1)
     assert plan.shares_for(3) is None and replace(plan, stage_shares=()).shares_for(1) is None
     s = Scheduler(enc, costs.llm_cost(), costs.llm_tokens, dp=plan.dp,

@@ -18,7 +18,6 @@ import time
 from collections import deque
 from typing import Any
 
-import numpy as np
 import zmq
 
 from entrain_data import protocol
@@ -39,7 +38,7 @@ from .hello import check_hello
 from .pool import WorkerPool
 from .production import Production, RankState, reachable_data_endpoint, remote_host
 from .sample_source import encoder_stats
-from .schedule import Scheduler, data_fingerprint, digest, frozen_columns
+from .schedule import Scheduler, data_fingerprint, digest, frozen_columns, plan_shares
 from .skips import SkipRecord, parse_budget
 from .stats import Counters, service_stats
 
@@ -86,7 +85,7 @@ class Coordinator:
             encoder_stats=encoder_stats(cfg.source),
             frozen_encoders=frozen_columns(self.plan, enc),
             pipeline_stages=self.plan.pp,
-            stage_shares=self.plan.shares_for(np.shape(enc)[1]),
+            stage_shares=plan_shares(self.plan, enc),
         )
         self.shape = self.scheduler.shape
         self.end_pos = cfg.epochs * self.shape.per_epoch

@@ -114,6 +114,12 @@ def frozen_columns(plan: ParallelPlan, encoder_cost: np.ndarray) -> list[bool] |
     return groups if groups and len(groups) == np.shape(encoder_cost)[1] else None
 
 
+def plan_shares(plan: ParallelPlan, encoder_cost: np.ndarray) -> np.ndarray | None:
+    """The plan's stage shares for these cost columns (``ParallelPlan.shares_for``): what
+    entrain's proxy prices on; None where the columns are not one per encoder group."""
+    return plan.shares_for(np.shape(encoder_cost)[1])
+
+
 class Scheduler:
     """Global batches and their assignment, computed ahead of need and cached per iteration.
 
