@@ -26,6 +26,7 @@ __all__ = [
     "ParallelPlan",
     "SHARDING",
     "encoder_groups",
+    "group_columns",
 ]
 
 PLAN_SCHEMA_VERSION = 1
@@ -195,6 +196,11 @@ def encoder_groups(stages: tuple[StagePlan, ...]) -> list[list[int]]:
     return sorted(groups.values())
 
 
+def group_columns(encoder_cost: np.ndarray, groups: list[list[int]]) -> np.ndarray:
+    """[N, E] per-encoder sample costs -> [N, G], the columns of each group summed."""
+    return np.stack([encoder_cost[:, g].sum(axis=1) for g in groups], axis=1)
+
+
 @dataclass(frozen=True)
 class ParallelPlan:
     """The static plan (see DESIGN.md, "Static plan"): layout, microbatching, expectations."""
@@ -293,7 +299,7 @@ class ParallelPlan:
         from .simulator import stage_shares
 
         sh = stage_shares(costs, self.stages, self.encoder_groups(), rows)
-        return replace(self, stage_shares=tuple(tuple(map(float, r)) for r in sh))
+        return replace(self, stage_shares=sh)  # checked and made tuples in __post_init__
 
     # -------------------------------------------------------------- queries
     def model_spec(self) -> ModelSpec:
@@ -378,7 +384,7 @@ class ParallelPlan:
             raise InvalidInput(
                 f"plan: stages name encoder columns {groups}, but the costs have {enc.shape[1]}"
             )
-        return np.stack([enc[:, g].sum(axis=1) for g in groups], axis=1)
+        return group_columns(enc, groups)
 
     def frozen_encoder_groups(self) -> list[bool]:
         """Per :meth:`encoder_groups` group (the columns of :meth:`stage_encoder_cost`), whether

@@ -10,7 +10,7 @@ import numpy as np
 
 from .assignment import assign
 from .errors import InvalidInput, PlanError
-from .plan import Cluster, StagePlan, encoder_groups
+from .plan import Cluster, StagePlan, encoder_groups, group_columns
 from .plan_layout import stage_params
 from .plan_time import (
     OVERHEAD_PER_MICROBATCH,
@@ -182,11 +182,7 @@ def simulate(ctx: PlanContext, chosen, costs, idx, seed, schedule) -> tuple[list
                 for st, rc in zip(c.stages, c.recompute or (False,) * len(c.stages))
             )
             groups = encoder_groups(stages)
-            enc = (
-                np.stack([enc_cost[:, g].sum(axis=1) for g in groups], axis=1)
-                if groups
-                else enc_cost
-            )
+            enc = group_columns(enc_cost, groups) if groups else enc_cost
             frozen = [all(enc_frozen[i] for i in g) for g in groups]
             sh = stage_shares(costs, stages, groups, rows=profiled)
             key = (str(groups), sh.shape, sh.round(9).tobytes())
