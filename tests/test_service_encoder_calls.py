@@ -5,6 +5,7 @@ needs from the loader, computed from the assignment ahead of training."""
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 import pytest
 from entrain_data.workers.demo_data import write_demo_dataset
@@ -15,7 +16,7 @@ from entrain_data.client import EntrainLoader
 from entrain_data.cost_model import per_sample_costs
 from entrain_data.encoder_calls import ENCODER_CALLS_KEY
 from entrain_data.metadata import write_index
-from entrain_data.plan import Cluster
+from entrain_data.plan import Cluster, StagePlan, StageSegment
 from entrain_data.planner import make_plan
 from entrain_data.presets import ModelSpec
 
@@ -64,3 +65,39 @@ def test_every_microbatch_carries_the_group_wide_encoder_calls(tmp_path):
     for calls in by_position.values():
         assert len(calls) == 2 and calls[0] == calls[1]
     assert deferred > 0  # the check above saw deferral
+
+
+def test_encoders_on_their_own_stages_are_capped_per_stage(tmp_path):
+    """Encoders on separate pipeline stages are two cost columns (``plan.encoder_groups``);
+    the service gives assign their patches per column, so the plan's patch cap bounds what each
+    stage holds, and every sample is served exactly once."""
+    shards = write_demo_dataset(tmp_path / "data", samples=48, shards=2, seed=2)
+    table = build_index([str(s) for s in shards], progress=False)
+    index = write_index(table, tmp_path / "index.parquet")
+    spec = ModelSpec.from_names(["qwen2.5-vl-vision", "whisper-large-v3-encoder"], "llama-3.2-1b")
+    plan = make_plan(table, spec, Cluster(1), 16, dp=1, tp=1, pp=1, microbatches=4, batches=2)
+    stages = tuple(
+        StagePlan(i, (StageSegment(name, e, 0, n, True, True),))
+        for i, (name, e, n) in enumerate(
+            [("qwen2.5-vl-vision", 0, 32), ("whisper-large-v3-encoder", 1, 32), ("llm", None, 16)]
+        )
+    )
+    plan = replace(plan, world_size=3, pp=3, stages=stages, stage_shares=())
+    assert plan.encoder_groups() == [[0], [1]] and plan.max_encoder_patches > 0
+    svc = start_service(index=index, plan=plan, workers=2, socket_dir=str(tmp_path / "sock"))
+    loaders = [EntrainLoader(svc.endpoint, r, timeout=60) for r in range(3)]
+    try:
+        out = {r: list(ld) for r, ld in enumerate(loaders)}
+        assert svc.wait(30) == 0
+    finally:
+        for ld in loaders:
+            ld.close()
+        svc.close()
+    patches = per_sample_costs(table, spec).encoder_tokens
+    row = {str(k): i for i, k in enumerate(table.keys)}
+    served = [k for mb in out[0] for k in mb.encoder_keys]
+    assert sorted(served) == sorted(str(k) for k in table.keys)
+    assert sorted(k for mb in out[2] for k in mb.llm_keys) == sorted(served)
+    for mb in out[0]:
+        per_stage = patches[[row[k] for k in mb.encoder_keys]].sum(axis=0)
+        assert (per_stage <= plan.max_encoder_patches).all(), per_stage

@@ -97,16 +97,20 @@ class IndexSource:
         return [str(k) for k in read_index(self.index_path).keys]
 
     def encoder_stats(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """Per sample: encoder patches (all encoders, the plan's patch cap counts them) and which
-        encoders it uses (``{"vision": bool[N], "audio": bool[N]}``), from the index alone:
-        what the schedule needs for the patch cap and the group-wide encoder calls."""
+        """Per sample: encoder patches, [N, G] one column per group of co-located encoders as
+        :meth:`costs` prices them (each stage holds its group's patches, so the plan's patch
+        cap bounds every group's set), and which encoders it uses (``{"vision": bool[N],
+        "audio": bool[N]}``), from the index alone: what the schedule needs for the patch cap
+        and the group-wide encoder calls."""
         from entrain_data.cost_model import per_sample_costs
         from entrain_data.metadata import read_index
-        from entrain_data.plan import ParallelPlan
+        from entrain_data.plan import ParallelPlan, group_columns
 
         table = read_index(self.index_path)
-        costs = per_sample_costs(table, ParallelPlan.from_json(self.plan_json).model_spec())
-        patches = costs.encoder_tokens.sum(axis=1).astype(np.int64)
+        plan = ParallelPlan.from_json(self.plan_json)
+        pt = per_sample_costs(table, plan.model_spec()).encoder_tokens.astype(np.int64)
+        groups = plan.encoder_groups()
+        patches = group_columns(pt, groups) if groups else pt.sum(axis=1)
         uses = {
             "vision": np.diff(table.image_offsets) > 0,
             "audio": np.diff(table.audio_offsets) > 0,
