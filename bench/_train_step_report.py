@@ -62,7 +62,7 @@ def _stage_times(rec: list[dict], it: int, dp: int, m: int, shares, names) -> tu
     return fwd, bwd
 
 
-def report(a, spec, table, methods, per, params, device) -> dict:
+def report(a, spec, table, methods, per, params, device, plan_shares=None) -> dict:
     out: dict = {
         "config": {
             "device": str(device),
@@ -84,6 +84,8 @@ def report(a, spec, table, methods, per, params, device) -> dict:
             "recompute": a.recompute,
             "seed": a.seed,
             "pp": a.pp,
+            "layout": a.layout,
+            "plan_shares": None if plan_shares is None else np.asarray(plan_shares).tolist(),
             "methods": methods,
         },  # fmt: skip
         "model": {"spec": spec.to_dict(), "parameters": params},
@@ -142,6 +144,8 @@ def report(a, spec, table, methods, per, params, device) -> dict:
     if a.pp:  # the told depth, the modules laid over the stages as entrain's proxy lays them
         totals = sum(np.add(*_module_times(x, names)) for x in allrec)
         layouts[f"pp{a.pp}"] = proxy_stage_shares(totals, a.pp)
+    if plan_shares is not None:  # the plan's layer ranges (--layout plan), told to entrain
+        layouts[f"plan{a.pp}"] = np.asarray(plan_shares)
     sim: dict = {}
     for key, shares in layouts.items():
         sim[key] = {}
@@ -191,7 +195,8 @@ def print_table(res: dict) -> None:
             print(f"  {mod:<28}{phase:<9}{txt}")
     print(
         "simulated 1F1B iteration (K=k: 1 encoder stage + k LLM stages; K=ppN: N stages laid"
-        " as entrain's proxy lays them), seconds:"
+        " as entrain's proxy lays them; K=planN: N stages at the planner's layer ranges, told to"
+        " entrain), seconds:"
     )
     for k, d in res["simulation"].items():
         cells = "  ".join(

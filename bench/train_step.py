@@ -44,6 +44,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _common import pick_stages  # noqa: E402
 from _train_step_model import (  # noqa: E402
     AudioTower,
     DecoderLLM,
@@ -60,6 +61,7 @@ from entrain_data.assignment import assign  # noqa: E402
 from entrain_data.cost_model import per_sample_costs  # noqa: E402
 from entrain_data.metadata import SampleTable  # noqa: E402
 from entrain_data.presets import ModelSpec, load_module  # noqa: E402
+from entrain_data.simulator import stage_shares  # noqa: E402
 from entrain_data.workloads import synthesize  # noqa: E402
 
 __all__ = ["main", "bench_spec"]
@@ -234,6 +236,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "report also simulates it, each microbatch's measured times split over the stages as "
         "entrain's proxy lays the modules (0: not told)",
     )
+    p.add_argument(
+        "--layout",
+        choices=("proxy", "plan"),
+        default="proxy",
+        help="with --pp: proxy tells entrain the depth only; plan lays the stages at layer "
+        "boundaries as the planner does (bench/_common.pick_stages), tells entrain their "
+        "shares (assign(stage_shares=), as the loader service does) and simulates them too",
+    )
     p.add_argument("--vision-layers", type=int, default=None)
     p.add_argument(
         "--vision-preset",
@@ -264,6 +274,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--repeats must be >= 1, got {a.repeats}")
     if a.pp < 0:
         p.error(f"--pp must be >= 0, got {a.pp}")
+    if a.layout == "plan" and not a.pp:
+        p.error("--layout plan needs the depth --pp")
     tiny_defaults = dict(
         global_batch=8, dp=2, microbatches=2, iterations=1, warmup=1, text_scale=16
     )
@@ -390,21 +402,28 @@ def main(argv: list[str] | None = None) -> dict:
             llm=build_llm_inputs(spec.llm, costs.llm_tokens, media, rows_l, device, dtype, gen),
         )
 
+    shares = None  # the plan's stages, told to entrain and simulated by the report
+    if a.layout == "plan":
+        batches = np.arange(a.global_batch * a.iterations).reshape(a.iterations, -1)
+        stages = pick_stages(spec, costs, batches, a.pp)
+        shares = stage_shares(costs, stages, rows=batches.ravel())
+        log.info("plan layout: %s", [st.module for st in stages])
     assignments: dict[tuple[str, int], object] = {}
     for it in range(a.iterations):
         rows = np.arange(it * a.global_batch, (it + 1) * a.global_batch)
         for m in methods:
+            told = {"stage_shares": shares} if shares is not None and m == "entrain" else {}
             asg = assign(
                 enc_cost[rows], llm_cost[rows], tokens[rows], dp=a.dp,
                 microbatches=a.microbatches, max_tokens=a.max_tokens,
                 defer_budget=a.defer_budget, method=m, seed=a.seed, iteration=it,
-                pipeline_stages=a.pp or None,
+                pipeline_stages=a.pp or None, **told,
             )  # fmt: skip
             assignments[(m, it)] = (rows, asg)
 
     with _fast_attention(device):
         per = _measure(a, methods, assignments, inputs, encoders, towers, llm, _Timer(device))
-    result = report(a, spec, table, methods, per, params, device)
+    result = report(a, spec, table, methods, per, params, device, shares)
     result["wall_seconds"] = time.perf_counter() - t_start
     if device.type == "cuda":
         result["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30

@@ -319,3 +319,20 @@ def test_told_depth_is_simulated_with_the_proxy_layout(tmp_path):
     assert k2 @ bwd == pytest.approx([x["encoder_bwd_arrival"], x["llm_bwd"] / 2, x["llm_bwd"] / 2])
     with pytest.raises(SystemExit):
         train_step.main(["--device", "cpu", "--tiny", "--pp", "-1", "--out", str(out)])
+
+
+@pytest.mark.timeout(180)
+def test_plan_layout_is_told_and_simulated(tmp_path):
+    """--layout plan lays the stages at the planner's layer ranges, tells entrain their shares
+    and simulates them beside the proxy's layout; it needs a depth."""
+    out = tmp_path / "ts.json"
+    args = ["--device", "cpu", "--tiny", "--pp", "3", "--layout", "plan", "--out", str(out)]
+    res = train_step.main(args)
+    shares = np.asarray(res["config"]["plan_shares"])
+    assert res["config"]["layout"] == "plan" and shares.shape == (3, 2)
+    np.testing.assert_allclose(shares.sum(axis=0), 1.0)
+    assert {"pp3", "plan3"} <= set(res["simulation"])
+    for m, v in res["simulation"]["plan3"].items():
+        assert v["iteration_time_s"] >= v["lower_bound_s"] * (1 - 1e-9), m
+    with pytest.raises(SystemExit):
+        train_step.main(["--device", "cpu", "--tiny", "--layout", "plan", "--out", str(out)])
