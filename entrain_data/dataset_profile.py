@@ -13,7 +13,7 @@ starts (so they must be cheap: read sizes from metadata, never decode):
   its token cap holds a replica's share of the heaviest possible global batch.
 
 Public API: ``table_from_sizes``, ``costs_from_fn``, ``plan_from_costs``, ``plan_for_dataset``,
-``table_costs``, ``TableCosts``.
+``table_costs``, ``table_encoder_stats``, ``TableCosts``.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ __all__ = [
     "plan_from_costs",
     "plan_for_dataset",
     "table_costs",
+    "table_encoder_stats",
     "TableCosts",
 ]
 
@@ -206,6 +207,27 @@ def table_costs(
     if enc.shape[1]:
         enc = plan.stage_encoder_cost(enc)
     return enc, costs.llm_cost(), np.asarray(costs.llm_tokens)
+
+
+def table_encoder_stats(
+    table: SampleTable, plan: ParallelPlan
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Per sample of ``table``: its encoder patches, [N, G] one column per encoder group of
+    ``plan`` (as :func:`table_costs` prices them: a stage holds its group's patches, so the
+    plan's patch cap bounds each group's set), and which encoders it uses (``{"vision":
+    bool[N], "audio": bool[N]}``). What the loader service needs for the patch cap and the
+    group-wide encoder calls; a table is enough, no calibration."""
+    from .cost_model import per_sample_costs
+    from .plan import group_columns
+
+    pt = per_sample_costs(table, plan.model_spec()).encoder_tokens.astype(np.int64)
+    groups = plan.encoder_groups()
+    patches = group_columns(pt, groups) if groups else pt.sum(axis=1)
+    uses = {
+        "vision": np.diff(table.image_offsets) > 0,
+        "audio": np.diff(table.audio_offsets) > 0,
+    }
+    return patches, uses
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,14 @@ def square_cost(i: int):
     return (0.0, float((i % 5 + 1) ** 2), i % 5 + 1)
 
 
+class Pictures(Squares):
+    """Squares with a picture each, of a size that varies from sample to sample."""
+
+    def sizes(self, i: int) -> dict:
+        side = 112 + 56 * (i % 7)
+        return {"text_tokens": 16 + 8 * (i % 3), "images": [(side, 2 * side)]}
+
+
 @pytest.fixture
 def coco():
     if not COCO.is_dir():
@@ -183,3 +191,34 @@ def test_script_without_main_guard_is_named(tmp_path):
     assert proc.returncode != 0
     assert 'lacks `if __name__ == "__main__":`' in proc.stderr, proc.stderr[-2000:]
     assert list(tmp.glob("entrain-*")) == []
+
+
+def test_wrap_with_sizes_holds_the_patch_cap_and_lists_the_encoder_calls(tmp_path):
+    """Described by ``sizes_fn``, a wrapped dataset is served as an index is: every encoder set
+    within the plan's patch cap, every microbatch with the group-wide encoder calls that
+    sharded data parallelism needs; from a ``cost_fn`` (no sizes) neither is known."""
+    from entrain_data.workers.wrap_dataset import prepare_wrap
+
+    from entrain_data.cost_model import per_sample_costs
+    from entrain_data.dataset_profile import table_from_sizes
+    from entrain_data.encoder_calls import ENCODER_CALLS_KEY
+
+    ds = Pictures(32)
+    spec = prepare_wrap(ds, sizes_fn=ds.sizes, model=MODEL, batch_size=16, world_size=1)
+    patches, uses = spec.source.encoder_stats()
+    want = per_sample_costs(table_from_sizes(len(ds), ds.sizes), MODEL).encoder_tokens
+    assert np.array_equal(patches, want) and uses["vision"].all() and not uses["audio"].any()
+    assert spec.plan.max_encoder_patches > 0
+    assert prepare_wrap(ds, square_cost, batch_size=16).source.encoder_stats() is None
+    with EntrainLoader.wrap(
+        ds, sizes_fn=ds.sizes, model=MODEL, batch_size=16, world_size=1, timeout=60,
+        socket_dir=str(tmp_path / "entrain"),
+    ) as loader:  # fmt: skip
+        mbs = list(loader)
+    consumer = {(mb.iteration, k): mb.microbatch for mb in mbs for k in mb.llm_keys}
+    for mb in mbs:
+        calls = mb.meta[ENCODER_CALLS_KEY]["vision"]
+        assert {consumer[mb.iteration, k] for k in mb.encoder_keys} <= set(calls)
+        rows = [int(k) for k in mb.encoder_keys]
+        assert want[rows].sum() <= spec.plan.max_encoder_patches
+    assert sorted(int(k) for mb in mbs for k in mb.llm_keys) == list(range(len(ds)))

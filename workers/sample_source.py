@@ -97,25 +97,14 @@ class IndexSource:
         return [str(k) for k in read_index(self.index_path).keys]
 
     def encoder_stats(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """Per sample: encoder patches, [N, G] one column per group of co-located encoders as
-        :meth:`costs` prices them (each stage holds its group's patches, so the plan's patch
-        cap bounds every group's set), and which encoders it uses (``{"vision": bool[N],
-        "audio": bool[N]}``), from the index alone: what the schedule needs for the patch cap
-        and the group-wide encoder calls."""
-        from entrain_data.cost_model import per_sample_costs
+        """Per sample: its patches per encoder group and the encoders it uses, from the index
+        alone (:func:`~entrain_data.dataset_profile.table_encoder_stats`)."""
+        from entrain_data.dataset_profile import table_encoder_stats
         from entrain_data.metadata import read_index
-        from entrain_data.plan import ParallelPlan, group_columns
+        from entrain_data.plan import ParallelPlan
 
-        table = read_index(self.index_path)
         plan = ParallelPlan.from_json(self.plan_json)
-        pt = per_sample_costs(table, plan.model_spec()).encoder_tokens.astype(np.int64)
-        groups = plan.encoder_groups()
-        patches = group_columns(pt, groups) if groups else pt.sum(axis=1)
-        uses = {
-            "vision": np.diff(table.image_offsets) > 0,
-            "audio": np.diff(table.audio_offsets) > 0,
-        }
-        return patches, uses
+        return table_encoder_stats(read_index(self.index_path), plan)
 
     def identity(self) -> str:
         """A hash of the index file's content: a remote worker must pack the same index."""

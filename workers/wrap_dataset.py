@@ -25,7 +25,12 @@ from typing import Any
 
 import numpy as np
 
-from entrain_data.dataset_profile import costs_from_fn, plan_for_dataset, table_costs
+from entrain_data.dataset_profile import (
+    costs_from_fn,
+    plan_for_dataset,
+    table_costs,
+    table_encoder_stats,
+)
 from entrain_data.errors import InvalidInput
 from entrain_data.plan import ParallelPlan
 
@@ -63,14 +68,22 @@ class _FixedCosts:
 
 @dataclass(frozen=True)
 class ProfiledDataset:
-    """A wrapped dataset with costs profiled in the caller (a :class:`SampleSource`)."""
+    """A wrapped dataset with costs profiled in the caller (a :class:`SampleSource`).
+
+    ``stats``: per sample its patches per encoder group and the encoders it uses, known where
+    ``sizes_fn`` described the samples (the plan's patch cap and the group-wide encoder calls
+    then hold as for an index); None from a ``cost_fn``, which gives no sizes."""
 
     dataset: Any
     collate_fn: Callable[[list[Any]], Any] | None
     profiled: _FixedCosts
+    stats: tuple[np.ndarray, dict[str, np.ndarray]] | None = None
 
     def costs(self) -> Costs:
         return self.profiled()
+
+    def encoder_stats(self) -> tuple[np.ndarray, dict[str, np.ndarray]] | None:
+        return self.stats
 
     def keys(self) -> list[str]:
         return [str(i) for i in range(len(self.dataset))]
@@ -236,13 +249,15 @@ def prepare_wrap(
         from entrain_data.dataset_profile import table_from_sizes
 
         table = table_from_sizes(n, sizes_fn)
+    stats = None
     if table is not None:
         enc, llm, tok = table_costs(table, plan)
+        stats = table_encoder_stats(table, plan)
     elif cost_fn is not None:
         enc, llm, tok = costs_from_fn(n, cost_fn)
     else:
         raise InvalidInput("describe the dataset: give cost_fn or sizes_fn")
-    source = ProfiledDataset(ds, collate, _FixedCosts(enc, llm, tok))
+    source = ProfiledDataset(ds, collate, _FixedCosts(enc, llm, tok), stats)
     if plan.world_size > 1 and "ranks" not in options:
         options["ranks"] = (rank, rank)  # every rank runs wrap: each serves itself
     return WrapSpec(plan, source, workers or 1, options)
