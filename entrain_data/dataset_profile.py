@@ -199,30 +199,27 @@ def plan_for_dataset(
 def table_costs(
     table: SampleTable, plan: ParallelPlan
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per-sample (encoder cost per stage group, LLM cost, LLM tokens) of ``table`` under ``plan``."""
+    """Per-sample (encoder cost [N, G] per ``plan.cost_columns()`` column, LLM cost, LLM
+    tokens) of ``table`` under ``plan``: what the loader service balances."""
     from .cost_model import per_sample_costs
 
     costs = per_sample_costs(table, plan.model_spec(), calibration=plan.calibration)
-    enc = costs.encoder_cost()
-    if enc.shape[1]:
-        enc = plan.stage_encoder_cost(enc)
-    return enc, costs.llm_cost(), np.asarray(costs.llm_tokens)
+    return plan.column_costs(costs.encoder_cost()), costs.llm_cost(), np.asarray(costs.llm_tokens)
 
 
 def table_encoder_stats(
     table: SampleTable, plan: ParallelPlan
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Per sample of ``table``: its encoder patches, [N, G] one column per encoder group of
-    ``plan`` (as :func:`table_costs` prices them: a stage holds its group's patches, so the
-    plan's patch cap bounds each group's set), and which encoders it uses (``{"vision":
-    bool[N], "audio": bool[N]}``). What the loader service needs for the patch cap and the
-    group-wide encoder calls; a table is enough, no calibration."""
+    """Per sample of ``table``: its encoder patches, [N, G] per ``plan.cost_columns()``
+    column as :func:`table_costs` prices them (the memory model holds the plan's patch cap for
+    every encoder segment a stage holds, so capping each column's set by it is safe), and
+    which encoders it uses (``{"vision": bool[N], "audio": bool[N]}``). What the loader
+    service needs for the patch cap and the group-wide encoder calls; a table is enough, no
+    calibration."""
     from .cost_model import per_sample_costs
-    from .plan import group_columns
 
     pt = per_sample_costs(table, plan.model_spec()).encoder_tokens.astype(np.int64)
-    groups = plan.encoder_groups()
-    patches = group_columns(pt, groups) if groups else pt.sum(axis=1)
+    patches = plan.column_costs(pt) if pt.shape[1] else pt.sum(axis=1)
     uses = {
         "vision": np.diff(table.image_offsets) > 0,
         "audio": np.diff(table.audio_offsets) > 0,

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .cost_columns import column_shares, group_columns, share_columns
 from .errors import InvalidInput, PlanError
 from .presets import ModelSpec
 
@@ -26,7 +27,6 @@ __all__ = [
     "ParallelPlan",
     "SHARDING",
     "encoder_groups",
-    "group_columns",
 ]
 
 PLAN_SCHEMA_VERSION = 1
@@ -170,10 +170,10 @@ class RankCoords(NamedTuple):
 def encoder_groups(stages: tuple[StagePlan, ...]) -> list[list[int]]:
     """Encoder columns that share a pipeline stage of ``stages``, grouped (ascending, disjoint).
 
-    Assignment balances one load per group: encoders on the same stage (all
-    of them when ``pp == 1``) run on the same GPU one after the other, so the
-    stage waits for their *sum*; balancing each alone would weigh a cheap
-    encoder as much as an expensive one.
+    Encoders on the same stage (all of them when ``pp == 1``) run on the same GPU one after
+    the other. The assignment balances one cost column per encoder and is told each one's
+    share of every stage (``stage_shares``), which prices that sum sample by sample; earlier
+    plans recorded their shares per group.
     """
     n_enc = max(
         [s.encoder_index + 1 for st in stages for s in st.segments if s.encoder_index is not None],
@@ -194,11 +194,6 @@ def encoder_groups(stages: tuple[StagePlan, ...]) -> list[list[int]]:
     for i in range(n_enc):
         groups.setdefault(root(i), []).append(i)
     return sorted(groups.values())
-
-
-def group_columns(encoder_cost: np.ndarray, groups: list[list[int]]) -> np.ndarray:
-    """[N, E] per-encoder sample costs -> [N, G], the columns of each group summed."""
-    return np.stack([encoder_cost[:, g].sum(axis=1) for g in groups], axis=1)
 
 
 @dataclass(frozen=True)
@@ -229,8 +224,8 @@ class ParallelPlan:
     sharding: str = "optimizer"  # one of SHARDING
     model: dict = field(default_factory=dict)
     calibration: dict | None = None
-    # per stage, each encoder group's share of its work, then the LLM's (simulator.stage_shares
-    # on the profiled batches): the layout entrain's assignment prices; (): not recorded
+    # per stage, each encoder's share of its work, then the LLM's (simulator.stage_shares on
+    # the profiled batches): the layout entrain's assignment prices; (): not recorded
     stage_shares: tuple[tuple[float, ...], ...] = ()
     search: dict = field(default_factory=dict)
     schema_version: int = PLAN_SCHEMA_VERSION
@@ -271,34 +266,70 @@ class ParallelPlan:
             )
 
     def _check_stage_shares(self) -> None:
-        """``stage_shares`` as tuples of floats, [pp][encoder groups + 1], each column summing
-        to 1 (:func:`entrain_data.assignment.common.check_stage_shares`'s rules)."""
+        """``stage_shares`` as tuples of floats, [pp][encoders + 1], each column summing to 1
+        (:func:`entrain_data.assignment.common.check_stage_shares`'s rules). Plans written
+        before the per-encoder record hold one column per :meth:`encoder_groups` group; they
+        still load (their fingerprint unchanged) and are served as before, a column per
+        group."""
         from .assignment.common import check_stage_shares
 
         if self.stage_shares is None or np.size(self.stage_shares) == 0:
             object.__setattr__(self, "stage_shares", ())
             return
+        groups = self.encoder_groups()
+        n_enc, width = sum(len(g) for g in groups), np.shape(self.stage_shares)[-1]
         try:
-            sh = check_stage_shares(self.stage_shares, len(self.encoder_groups()), self.pp)
+            e = len(groups) if width == len(groups) + 1 else n_enc  # a group-wise plan
+            sh = check_stage_shares(self.stage_shares, e, self.pp)
         except InvalidInput as exc:
             raise InvalidInput(f"plan: field 'stage_shares': {exc}") from exc
         object.__setattr__(self, "stage_shares", tuple(tuple(map(float, r)) for r in sh))
 
+    def cost_columns(self) -> list[list[int]]:
+        """The encoders of each cost column the loader service balances
+        (:func:`~entrain_data.cost_columns.share_columns` of the recorded shares: encoders laid
+        out alike and frozen alike are summed); :meth:`encoder_groups` for a plan that recorded
+        none, or recorded them per group."""
+        sh = np.asarray(self.stage_shares, dtype=np.float64)
+        groups = self.encoder_groups()
+        n_enc = sum(len(g) for g in groups)
+        if sh.ndim != 2 or sh.shape[1] != n_enc + 1 or sh.shape[1] == len(groups) + 1:
+            return groups  # none recorded, or per group (then each group is one column)
+        frozen = [e.frozen for e in self.model_spec().encoders] if self.model else None
+        return share_columns(sh, frozen)
+
+    def column_costs(self, encoder_cost: np.ndarray) -> np.ndarray:
+        """[N, E] per-encoder sample costs (or patches) -> [N, G], one per :meth:`cost_columns`."""
+        return group_columns(encoder_cost, self.cost_columns())
+
     def shares_for(self, encoder_columns: int) -> np.ndarray | None:
-        """The recorded ``stage_shares`` as [pp, groups + 1] where a caller's cost columns are
-        as many as the plan's encoder groups (a source priced by the plan's model, or a user's
-        one encoder cost beside a one-group plan), else None (none recorded, or other
+        """The recorded ``stage_shares`` per :meth:`cost_columns` column ([pp, G + 1]) where a
+        caller's cost columns are as many (a source priced by the plan's model, or a user's
+        one encoder cost beside a one-column plan), else None (none recorded, or other
         columns): what ``assign(stage_shares=)`` takes."""
         sh = np.asarray(self.stage_shares, dtype=np.float64)
-        return sh if sh.ndim == 2 and sh.shape[1] == encoder_columns + 1 else None
+        cols = self.cost_columns()
+        if sh.ndim != 2 or encoder_columns != len(cols):
+            return None
+        if sh.shape[1] == len(cols) + 1:  # recorded per column already
+            return sh
+        return column_shares(sh, cols) if sh.shape[1] == sum(map(len, cols)) + 1 else None
+
+    def frozen_columns(self) -> list[bool]:
+        """Per :meth:`cost_columns` column, whether the plan's model freezes its encoders
+        (forward only); [] without a saved model."""
+        if not self.model:
+            return []
+        encoders = self.model_spec().encoders
+        return [all(encoders[i].frozen for i in g) for g in self.cost_columns()]
 
     def with_stage_shares(self, costs: Any, rows: np.ndarray | None = None) -> ParallelPlan:
         """This plan with ``stage_shares`` measured on ``costs`` (a
         :class:`~entrain_data.cost_model.SampleCosts` of the plan's model; ``rows``: the
-        profiled samples, all where None), one column per :meth:`encoder_groups` group."""
+        profiled samples, all where None), one column per encoder."""
         from .simulator import stage_shares
 
-        sh = stage_shares(costs, self.stages, self.encoder_groups(), rows)
+        sh = stage_shares(costs, self.stages, None, rows)
         return replace(self, stage_shares=sh)  # checked and made tuples in __post_init__
 
     # -------------------------------------------------------------- queries
@@ -374,25 +405,6 @@ class ParallelPlan:
                     f"ends at {end}, plan.stages[{i + 1}] starts at {start})"
                 )
         return ranges
-
-    def stage_encoder_cost(self, encoder_cost: np.ndarray) -> np.ndarray:
-        """[N, E] per-encoder sample costs -> [N, G] one column per :meth:`encoder_groups` group."""
-        enc = np.asarray(encoder_cost, dtype=np.float64)
-        enc = enc[:, None] if enc.ndim == 1 else enc
-        groups = self.encoder_groups()
-        if not groups or sum(len(g) for g in groups) != enc.shape[1]:
-            raise InvalidInput(
-                f"plan: stages name encoder columns {groups}, but the costs have {enc.shape[1]}"
-            )
-        return group_columns(enc, groups)
-
-    def frozen_encoder_groups(self) -> list[bool]:
-        """Per :meth:`encoder_groups` group (the columns of :meth:`stage_encoder_cost`), whether
-        every encoder in it is frozen (forward only); [] without a saved model."""
-        if not self.model:
-            return []
-        encoders = self.model_spec().encoders
-        return [all(encoders[i].frozen for i in g) for g in self.encoder_groups()]
 
     def fingerprint(self) -> str:
         """Short hash of the layout and microbatching: resume state refuses a different plan."""

@@ -9,8 +9,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .assignment import assign
+from .cost_columns import column_shares, group_columns, share_columns
 from .errors import InvalidInput, PlanError
-from .plan import Cluster, StagePlan, encoder_groups, group_columns
+from .plan import Cluster, StagePlan
 from .plan_layout import stage_params
 from .plan_time import (
     OVERHEAD_PER_MICROBATCH,
@@ -148,9 +149,10 @@ def simulate(ctx: PlanContext, chosen, costs, idx, seed, schedule) -> tuple[list
     refuses it: few samples per replica can outweigh the cap's allowance of one
     sample of imbalance) is infeasible and dropped; PlanError when none is left.
 
-    Assignments depend on (dp, microbatches) and on the layout's encoder groups and stage
-    shares: entrain gets the cost columns and the shares the loader service will give it
-    under that layout (:func:`~entrain_data.simulator.stage_shares`). Per-stage sample costs
+    Assignments depend on (dp, microbatches) and on the layout's cost columns and stage
+    shares: entrain gets what the loader service will give it under that layout (the columns
+    of :func:`~entrain_data.cost_columns.share_columns`, the plan's patch cap, the shares of
+    :func:`~entrain_data.simulator.stage_shares`). Per-stage sample costs
     depend on the stage layout only. Both are computed once and shared by the layouts that
     have them in common. Every layout
     is first scored on ``SCREEN_BATCHES`` batches; one slower than the best by
@@ -160,6 +162,7 @@ def simulate(ctx: PlanContext, chosen, costs, idx, seed, schedule) -> tuple[list
     enc_cost, llm_cost = costs.encoder_cost(), costs.llm_cost()
     tok = costs.llm_tokens.astype(np.int64)
     enc_frozen = [e.frozen for e in ctx.model.encoders]  # forward only: no backward in L
+    patches = costs.encoder_tokens.astype(np.int64)  # per encoder, summed as the costs are
     sims = np.full((len(chosen), len(idx)), np.nan)
     means_fb: list[list] = [[] for _ in chosen]  # per batch: (mean fwd [S], mean bwd [S], sync)
     assignments: dict[tuple, object] = {}
@@ -171,30 +174,33 @@ def simulate(ctx: PlanContext, chosen, costs, idx, seed, schedule) -> tuple[list
     columns: dict[tuple, tuple] = {}
 
     def served(c: Candidate) -> tuple:
-        """(encoder cost [N, G], frozen per group, stage shares [S, G + 1], key) of a layout:
-        the columns and shares the loader service gives ``assign`` under it (one column per
-        group of encoders that share a stage, ``ParallelPlan.encoder_groups``; the shares of
-        its stages with their recomputation, as the plan records them)."""
+        """(encoder cost [N, G], patches [N, G], frozen per column, stage shares [S, G + 1],
+        key) of a layout: what the loader service gives ``assign`` under it (the plan's cost
+        columns, :func:`~entrain_data.cost_columns.share_columns`, and their shares of its
+        stages with their recomputation, as the plan records them)."""
         ckey = (id(c.stages), tuple(c.recompute))
         if ckey not in columns:
             stages = tuple(
                 replace(st, recompute=bool(rc))
                 for st, rc in zip(c.stages, c.recompute or (False,) * len(c.stages))
             )
-            groups = encoder_groups(stages)
-            enc = group_columns(enc_cost, groups) if groups else enc_cost
+            per_encoder = stage_shares(costs, stages, rows=profiled)
+            groups = share_columns(per_encoder, enc_frozen)
+            sh = column_shares(per_encoder, groups)
             frozen = [all(enc_frozen[i] for i in g) for g in groups]
-            sh = stage_shares(costs, stages, groups, rows=profiled)
-            key = (str(groups), sh.shape, sh.round(9).tobytes())
-            columns[ckey] = (enc, frozen if any(frozen) else False, sh, key)
+            key = (str(groups), sh.round(9).tobytes())
+            cols = (group_columns(enc_cost, groups), group_columns(patches, groups))
+            columns[ckey] = (*cols, frozen if any(frozen) else False, sh, key)
         return columns[ckey]
 
     def run(ci: int, k: int) -> None:
         c, b = chosen[ci], idx[k]
-        enc, frozen, sh, skey = served(c)
+        enc, pts, frozen, sh, skey = served(c)
         akey = (c.dp, c.microbatches, skey, k)
         if akey not in assignments:
             cap, budget = caps(ctx, c.dp, c.microbatches)
+            pcap = patch_cap(ctx, c.dp, c.microbatches)  # the plan's, as the service caps
+            pt = {"encoder_patches": pts[b], "max_encoder_patches": pcap} if pcap else {}
             try:
                 assignments[akey] = assign(
                     enc[b],
@@ -209,6 +215,7 @@ def simulate(ctx: PlanContext, chosen, costs, idx, seed, schedule) -> tuple[list
                     iteration=k,
                     frozen_encoders=frozen,
                     stage_shares=sh,
+                    **pt,
                 )
             except InvalidInput as e:  # this (dp, M)'s cap cannot serve batch k
                 assignments[akey] = e

@@ -244,21 +244,14 @@ def _stage_plan(stages: list[list[tuple[str, int | None]]]) -> ParallelPlan:
 
 
 def test_encoder_groups_follow_shared_stages() -> None:
-    """Encoders on one stage are balanced as one column (their sum); apart, one column each."""
-    enc = np.array([[1.0, 10.0, 100.0], [2.0, 20.0, 200.0]])
+    """Encoders that share a stage form a group; a shared stage links a chain."""
     one_stage = _stage_plan([[("vit", 0), ("whisper", 1), ("video", 2), ("llm", None)]])
     assert one_stage.encoder_groups() == [[0, 1, 2]]
-    np.testing.assert_allclose(one_stage.stage_encoder_cost(enc), [[111.0], [222.0]])
     apart = _stage_plan([[("vit", 0)], [("whisper", 1), ("llm", None)], [("video", 2)]])
     assert apart.encoder_groups() == [[0], [1], [2]]
-    np.testing.assert_allclose(apart.stage_encoder_cost(enc), enc)
     chained = _stage_plan([[("vit", 0), ("whisper", 1)], [("whisper", 1), ("video", 2)]])
     assert chained.encoder_groups() == [[0, 1, 2]]  # a shared stage links the chain
     mixed = _stage_plan([[("vit", 0)], [("video", 2), ("llm", None)], [("whisper", 1)]])
     assert mixed.encoder_groups() == [[0], [1], [2]]
     text_only = _stage_plan([[("llm", None)]])
     assert text_only.encoder_groups() == []
-    with pytest.raises(InvalidInput, match="costs have 2"):
-        one_stage.stage_encoder_cost(enc[:, :2])
-    with pytest.raises(InvalidInput, match="costs have 4"):
-        one_stage.stage_encoder_cost(np.ones((2, 4)))

@@ -150,11 +150,16 @@ def plan():
 
 
 def test_the_planner_records_its_layouts_shares(plan):
-    """Measured on the profiled batches: one row per stage, a column per encoder group and
-    the LLM; they survive the JSON round trip, count in the fingerprint, and a plan whose
-    shares do not fit its stages is refused by field name."""
+    """Measured on the profiled batches: one row per stage, a column per encoder and the
+    LLM; they survive the JSON round trip, count in the fingerprint, and a plan whose shares
+    do not fit its stages is refused by field name. Both encoders lie wholly on the first
+    stage, so they are one cost column. A plan that recorded its shares per encoder group
+    (before the per-encoder record) still loads, fingerprint unchanged, and is served as
+    before: a column per group."""
     sh = np.asarray(plan.stage_shares)
-    assert sh.shape == (plan.pp, len(plan.encoder_groups()) + 1)
+    assert plan.encoder_groups() == [[0, 1]] and plan.cost_columns() == [[0, 1]]
+    assert sh.shape == (plan.pp, len(plan.model_spec().encoders) + 1)
+    np.testing.assert_allclose(plan.shares_for(1), sh[:, 1:])
     np.testing.assert_allclose(sh.sum(axis=0), 1.0)
     back = ParallelPlan.from_json(plan.to_json())
     assert back.stage_shares == plan.stage_shares
@@ -163,14 +168,20 @@ def test_the_planner_records_its_layouts_shares(plan):
     d["stage_shares"] = [[1.0] * sh.shape[1]] * (plan.pp + 1)
     with pytest.raises(InvalidInput, match="field 'stage_shares'"):
         ParallelPlan.from_dict(d)
+    d["stage_shares"] = [[1.0, 0.25], [0.0, 0.75]]  # per group, as written on 2026-11-27
+    legacy = ParallelPlan.from_dict(d)
+    assert legacy.stage_shares == ((1.0, 0.25), (0.0, 0.75)) and legacy.cost_columns() == [[0, 1]]
+    assert legacy.shares_for(1).tolist() == [[1.0, 0.25], [0.0, 0.75]]
+    assert legacy.shares_for(2) is None
 
 
 def test_the_service_passes_the_plans_shares_to_assign(plan):
     """The scheduler hands assign the plan's shares where the source's columns are as many as
-    the plan's groups; with another number of columns the plan gives none."""
+    the plan's cost columns; with another number of columns the plan gives none."""
     table = synthesize("qwen2vl-dynamic", 1024, seed=6)
     costs = per_sample_costs(table, plan.model_spec())
-    enc = plan.stage_encoder_cost(costs.encoder_cost())
+    enc = plan.column_costs(costs.encoder_cost())
+    assert plan_shares(plan, costs.encoder_cost()) is None  # two columns, the plan has one
     seen = []
 
     def spy(*args, **kw):

@@ -86,9 +86,7 @@ class IndexSource:
         table = read_index(self.index_path)
         plan = ParallelPlan.from_json(self.plan_json)
         costs = per_sample_costs(table, plan.model_spec(), calibration=plan.calibration)
-        enc = costs.encoder_cost()
-        if enc.shape[1]:
-            enc = plan.stage_encoder_cost(enc)  # one column per group of co-located encoders
+        enc = plan.column_costs(costs.encoder_cost())  # the plan's cost columns
         return enc, costs.llm_cost(), np.asarray(costs.llm_tokens)
 
     def keys(self) -> list[str]:
@@ -97,7 +95,7 @@ class IndexSource:
         return [str(k) for k in read_index(self.index_path).keys]
 
     def encoder_stats(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """Per sample: its patches per encoder group and the encoders it uses, from the index
+        """Per sample: its patches per cost column and the encoders it uses, from the index
         alone (:func:`~entrain_data.dataset_profile.table_encoder_stats`)."""
         from entrain_data.dataset_profile import table_encoder_stats
         from entrain_data.metadata import read_index

@@ -109,14 +109,14 @@ def epoch_left_out(n: int, global_batch: int, min_batch: int, seed: int, epoch: 
 
 def frozen_columns(plan: ParallelPlan, encoder_cost: np.ndarray) -> list[bool] | None:
     """Per encoder cost column, whether the plan's model freezes it (None when the source's
-    columns are not the plan's encoder groups, e.g. a wrapped Dataset's own costs)."""
-    groups = plan.frozen_encoder_groups()
-    return groups if groups and len(groups) == np.shape(encoder_cost)[1] else None
+    columns are not the plan's cost columns, e.g. a wrapped Dataset's own costs)."""
+    frozen = plan.frozen_columns()
+    return frozen if frozen and len(frozen) == np.shape(encoder_cost)[1] else None
 
 
 def plan_shares(plan: ParallelPlan, encoder_cost: np.ndarray) -> np.ndarray | None:
     """The plan's stage shares for these cost columns (``ParallelPlan.shares_for``): what
-    entrain's proxy prices on; None where the columns are not one per encoder group."""
+    entrain's proxy prices on; None where the columns are not the plan's cost columns."""
     return plan.shares_for(np.shape(encoder_cost)[1])
 
 
@@ -162,7 +162,7 @@ class Scheduler:
         self.method, self.seed = method, int(seed)
         self.max_delay = int(max_delay)
         # the plan's memory cap on an encoder set's patches; per sample its patches (per
-        # encoder group, as the cost columns) and which encoders it uses (the source's
+        # cost column) and which encoders it uses (the source's
         # encoder_stats), for the cap and the group-wide calls
         self.encoder_patches, self.encoder_uses = encoder_stats or (None, None)
         self.max_encoder_patches = max_encoder_patches if encoder_stats else None
