@@ -48,8 +48,8 @@ def test_every_microbatch_carries_the_group_wide_encoder_calls(tmp_path):
         for mb in mbs:
             calls = mb.meta[ENCODER_CALLS_KEY]
             by_position[(mb.iteration, mb.microbatch)].append(calls)
-            patches = sum(int(costs.encoder_tokens[row[k]].sum()) for k in mb.encoder_keys)
-            assert patches <= plan.max_encoder_patches  # the plan's memory cap holds
+            patches = costs.encoder_tokens[[row[k] for k in mb.encoder_keys]].sum(axis=0)
+            assert (patches <= plan.max_encoder_patches).all()  # the plan's memory cap holds
             for consumers in calls.values():
                 assert mb.microbatch in consumers and consumers == sorted(consumers)
             # every deferred sample's consumer is a listed call of each encoder it uses
@@ -68,8 +68,8 @@ def test_every_microbatch_carries_the_group_wide_encoder_calls(tmp_path):
 
 
 def test_encoders_on_their_own_stages_are_capped_per_stage(tmp_path):
-    """Encoders on separate pipeline stages are two cost columns (``plan.encoder_groups``);
-    the service gives assign their patches per column, so the plan's patch cap bounds what each
+    """Encoders on their own stages are a cost column each (``plan.cost_columns``): the
+    service gives assign their patches per column, so the plan's patch cap bounds what each
     stage holds, and every sample is served exactly once."""
     shards = write_demo_dataset(tmp_path / "data", samples=48, shards=2, seed=2)
     table = build_index([str(s) for s in shards], progress=False)
@@ -101,3 +101,45 @@ def test_encoders_on_their_own_stages_are_capped_per_stage(tmp_path):
     for mb in out[0]:
         per_stage = patches[[row[k] for k in mb.encoder_keys]].sum(axis=0)
         assert (per_stage <= plan.max_encoder_patches).all(), per_stage
+
+
+def test_a_replan_that_balances_the_encoders_apart_resumes(tmp_path):
+    """Plan A holds both encoders on one stage (one cost column), plan B each on its own (two):
+    the same index, seed and global batch cut the same global batches, so a state saved under
+    A resumes under B at the start of its iteration instead of being refused as another index."""
+    shards = write_demo_dataset(tmp_path / "data", samples=48, shards=2, seed=2)
+    table = build_index([str(s) for s in shards], progress=False)
+    index = write_index(table, tmp_path / "index.parquet")
+    spec = ModelSpec.from_names(["qwen2.5-vl-vision", "whisper-large-v3-encoder"], "llama-3.2-1b")
+    base = make_plan(table, spec, Cluster(1), 16, dp=1, tp=1, pp=1, microbatches=4, batches=2)
+    vit = StageSegment("qwen2.5-vl-vision", 0, 0, 32, True, True)
+    aud = StageSegment("whisper-large-v3-encoder", 1, 0, 32, True, True)
+    together = (StagePlan(0, (vit, aud, StageSegment("llm", None, 0, 8, True, False))),
+                StagePlan(1, (StageSegment("llm", None, 8, 16, False, True),)))  # fmt: skip
+    apart = (StagePlan(0, (vit,)), StagePlan(1, (aud,)),
+             StagePlan(2, (StageSegment("llm", None, 0, 16, True, True),)))  # fmt: skip
+    a = replace(base, world_size=2, pp=2, stages=together, stage_shares=())
+    b = replace(base, world_size=3, pp=3, stages=apart, stage_shares=())
+    assert a.cost_columns() == [[0, 1]] and b.cost_columns() == [[0], [1]]
+    svc = start_service(index=index, plan=a, workers=1, socket_dir=str(tmp_path / "a"))
+    loaders = [EntrainLoader(svc.endpoint, r, prefetch=2, timeout=60) for r in (0, 1)]
+    try:
+        streams = [iter(ld) for ld in loaders]
+        for _ in range(6):
+            for s in streams:
+                next(s)
+        state = loaders[0].state_dict()
+    finally:
+        for ld in loaders:
+            ld.close()
+        svc.close()
+    assert (state["iteration"], state["microbatch"]) == (1, 2)
+    svc = start_service(index=index, plan=b, workers=1, socket_dir=str(tmp_path / "b"))
+    loader = EntrainLoader(svc.endpoint, 0, prefetch=2, timeout=60)
+    try:
+        loader.load_state_dict(state)
+        mb = next(iter(loader))
+    finally:
+        loader.close()
+        svc.close()
+    assert (mb.epoch, mb.iteration, mb.microbatch) == (0, 1, 0)

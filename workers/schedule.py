@@ -318,10 +318,14 @@ def data_fingerprint(
     """What makes two services cut the same global batches: seed, batch size, the samples.
 
     The samples are hashed by content (their keys and the costs the schedule balances),
-    so two nodes with different copies of an index, or another seed, disagree.
+    so two nodes with different copies of an index, or another seed, disagree. The encoder
+    costs count summed over their columns: a re-plan that balances the encoders in other
+    columns (``ParallelPlan.cost_columns``) cuts the same global batches, and the plan's own
+    fingerprint tells the service to resume it at the start of the iteration.
     """
     h = hashlib.sha256()
-    for arr in (enc, llm, tokens):
+    enc = np.asarray(enc)
+    for arr in (enc.sum(axis=1) if enc.ndim == 2 else enc, llm, tokens):
         h.update(np.ascontiguousarray(arr).tobytes())
     h.update("\n".join(keys or []).encode())
     return digest([h.hexdigest(), int(seed), int(global_batch)])
