@@ -7,8 +7,10 @@ over one or more epochs of a synthetic table, twice on the same plan:
 
 - ``columns``: what the service serves, ``plan.cost_columns()`` (encoders laid out alike over
   the stages summed, encoders laid out apart a column each) with the plan's shares;
-- ``groups``: the baseline the service served before, one summed column per
-  ``plan.encoder_groups()`` group (encoders that share any stage) with that group's shares.
+- ``groups``: the baseline, one summed column per ``plan.encoder_groups()`` group (encoders
+  that share any stage) with that group's shares: what the service balanced before this
+  session, with the patches per group that f6d4f67 gave it (before that it refused plans
+  whose encoders sit on separate stages).
 
 Every iteration's assignment is simulated on the plan's own stages (1F1B, recomputation
 included); the table prints the mean iteration time of each and their ratio (> 1: the

@@ -242,7 +242,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         default="proxy",
         help="with --pp: proxy tells entrain the depth only; plan lays the stages at layer "
         "boundaries as the planner does (bench/_common.pick_stages), tells entrain their "
-        "shares (assign(stage_shares=), as the loader service does) and simulates them too",
+        "shares (assign(stage_shares=), as the loader service does; one column per encoder, where the "
+        "service sums encoders laid out alike) and simulates them too",
     )
     p.add_argument("--vision-layers", type=int, default=None)
     p.add_argument(

@@ -5,8 +5,9 @@ plan's ``stage_shares``) and that are frozen alike are summed into one column: t
 column prices them exactly (every stage holds the same share of each), and balancing the sum
 weighs each encoder by its cost. Encoders laid out differently (a vision tower on the first
 stage, an audio tower split over the next two) keep a column each, so entrain's proxy sees on
-which stage a sample's work lands; one column for both measured 1.4-5% slower iterations on
-such layouts (bench/RESULTS.md, twenty-fifth session).
+which stage a sample's work lands: on the planner's two-encoder layouts that keep them
+apart, the service's stream ran 1.013-1.084x faster than with one summed column
+(``bench/cost_columns.py``, bench/RESULTS.md, twenty-fifth session).
 """
 
 from __future__ import annotations

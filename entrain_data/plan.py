@@ -171,9 +171,10 @@ def encoder_groups(stages: tuple[StagePlan, ...]) -> list[list[int]]:
     """Encoder columns that share a pipeline stage of ``stages``, grouped (ascending, disjoint).
 
     Encoders on the same stage (all of them when ``pp == 1``) run on the same GPU one after
-    the other. The assignment balances one cost column per encoder and is told each one's
-    share of every stage (``stage_shares``), which prices that sum sample by sample; earlier
-    plans recorded their shares per group.
+    the other. The loader service balances one cost column per :meth:`ParallelPlan.cost_columns`
+    group (encoders laid out alike over the stages) and tells ``assign`` each column's share of
+    every stage (``stage_shares``), which prices that sum sample by sample; earlier plans
+    recorded their shares per group of this function.
     """
     n_enc = max(
         [s.encoder_index + 1 for st in stages for s in st.segments if s.encoder_index is not None],

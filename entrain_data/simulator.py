@@ -251,8 +251,8 @@ def stage_shares(
     """[S, G + 1] the share of each encoder group's work, then the LLM's, that every stage
     of ``stages`` holds: the stage layout as ``assign(stage_shares=)`` takes it.
 
-    ``groups`` lists the encoders of each cost column (``ParallelPlan.encoder_groups``, the
-    columns the loader service balances); None: one column per encoder. Work is forward plus
+    ``groups`` lists the encoders of each cost column (``ParallelPlan.cost_columns``, the
+    columns the loader service balances); None: one column per encoder, what plans record. Work is forward plus
     backward (and the forward again on a stage that recomputes) summed over ``rows`` of
     ``costs`` (every sample where None): the planner's
     layer ranges follow the profiled load, and the embedding, the LM head and windowed

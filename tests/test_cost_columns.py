@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from entrain_data.workers.schedule import data_fingerprint, frozen_columns
 
 from entrain_data.assignment import assign
 from entrain_data.cost_columns import column_shares, group_columns, share_columns
@@ -81,6 +82,12 @@ def test_the_plan_serves_a_column_per_layout_and_keeps_older_plans():
     frozen = replace(one, model=replace(VLA, encoders=(replace(VLA.encoders[0], frozen=True),
                                                        VLA.encoders[1])).to_dict())  # fmt: skip
     assert frozen.cost_columns() == [[0], [1]] and frozen.frozen_columns() == [True, False]
+    both = replace(apart, model=replace(VLA, encoders=tuple(replace(e, frozen=True)
+                                                            for e in VLA.encoders)).to_dict())  # fmt: skip
+    assert both.cost_columns() == [[0], [1]] and both.frozen_columns() == [True, True]
+    # a user's one summed column beside these plans: frozen only where every encoder is
+    assert frozen_columns(both, np.zeros((4, 1))) == [True]
+    assert frozen_columns(frozen, np.zeros((4, 1))) == [False]
     legacy = ParallelPlan.from_dict(
         {**apart.to_dict(), "stage_shares": [[0.5, 0], [0.5, 0], [0, 1]]}
     )
@@ -116,3 +123,16 @@ def test_a_column_per_layout_runs_faster_where_the_encoders_lie_apart():
                        iteration=it, stage_shares=sh)  # fmt: skip
             t[i] += simulate_pipeline(*times_from_sample_costs(a, per, rows)).iteration_time
     assert t[1] < 0.97 * t[0], t
+
+
+def test_the_data_fingerprint_does_not_see_how_the_encoders_are_columned():
+    """Two columns hash as their sum (a re-plan that columns the encoders otherwise cuts the
+    same batches); one column, or none (a text-only index), hashes as it always did."""
+    rng = np.random.default_rng(0)
+    enc, llm, tok = rng.random((50, 2)), rng.random(50), np.arange(50)
+
+    def fp(e):
+        return data_fingerprint(e, llm, tok, None, seed=0, global_batch=16)
+
+    assert fp(enc) == fp(enc.sum(axis=1, keepdims=True)) == fp(enc.sum(axis=1))
+    assert fp(np.zeros((50, 0))) != fp(np.zeros((50, 1)))  # no encoder: no bytes, as before

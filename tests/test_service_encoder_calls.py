@@ -48,8 +48,8 @@ def test_every_microbatch_carries_the_group_wide_encoder_calls(tmp_path):
         for mb in mbs:
             calls = mb.meta[ENCODER_CALLS_KEY]
             by_position[(mb.iteration, mb.microbatch)].append(calls)
-            patches = costs.encoder_tokens[[row[k] for k in mb.encoder_keys]].sum(axis=0)
-            assert (patches <= plan.max_encoder_patches).all()  # the plan's memory cap holds
+            patches = plan.column_costs(costs.encoder_tokens[[row[k] for k in mb.encoder_keys]])
+            assert (patches.sum(axis=0) <= plan.max_encoder_patches).all()  # the plan's cap
             for consumers in calls.values():
                 assert mb.microbatch in consumers and consumers == sorted(consumers)
             # every deferred sample's consumer is a listed call of each encoder it uses

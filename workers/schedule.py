@@ -109,8 +109,11 @@ def epoch_left_out(n: int, global_batch: int, min_batch: int, seed: int, epoch: 
 
 def frozen_columns(plan: ParallelPlan, encoder_cost: np.ndarray) -> list[bool] | None:
     """Per encoder cost column, whether the plan's model freezes it (None when the source's
-    columns are not the plan's cost columns, e.g. a wrapped Dataset's own costs)."""
+    columns are not the plan's cost columns, e.g. a wrapped Dataset's own costs; for one
+    summed column, frozen where every encoder is)."""
     frozen = plan.frozen_columns()
+    if frozen and np.shape(encoder_cost)[1] == 1 < len(frozen):  # a user's one summed column
+        return [all(frozen)]
     return frozen if frozen and len(frozen) == np.shape(encoder_cost)[1] else None
 
 
@@ -321,11 +324,14 @@ def data_fingerprint(
     so two nodes with different copies of an index, or another seed, disagree. The encoder
     costs count summed over their columns: a re-plan that balances the encoders in other
     columns (``ParallelPlan.cost_columns``) cuts the same global batches, and the plan's own
-    fingerprint tells the service to resume it at the start of the iteration.
+    fingerprint tells the service to resume it at the start of the iteration. (Exact for two
+    encoders; with three, float addition in another order can differ in the last bit, and the
+    state is then refused as another index.)
     """
     h = hashlib.sha256()
     enc = np.asarray(enc)
-    for arr in (enc.sum(axis=1) if enc.ndim == 2 else enc, llm, tokens):
+    enc = enc.sum(axis=1) if enc.ndim == 2 and enc.shape[1] > 1 else enc  # [N, 0]: no bytes
+    for arr in (enc, llm, tokens):
         h.update(np.ascontiguousarray(arr).tobytes())
     h.update("\n".join(keys or []).encode())
     return digest([h.hexdigest(), int(seed), int(global_batch)])

@@ -70,7 +70,7 @@ class _FixedCosts:
 class ProfiledDataset:
     """A wrapped dataset with costs profiled in the caller (a :class:`SampleSource`).
 
-    ``stats``: per sample its patches per encoder group and the encoders it uses, known where
+    ``stats``: per sample its patches per cost column and the encoders it uses, known where
     ``sizes_fn`` described the samples (the plan's patch cap and the group-wide encoder calls
     then hold as for an index); None from a ``cost_fn``, which gives no sizes."""
 
