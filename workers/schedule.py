@@ -164,9 +164,9 @@ class Scheduler:
         self.max_tokens, self.defer_budget = max_tokens, defer_budget
         self.method, self.seed = method, int(seed)
         self.max_delay = int(max_delay)
-        # the plan's memory cap on an encoder set's patches; per sample its patches (per
-        # cost column) and which encoders it uses (the source's
-        # encoder_stats), for the cap and the group-wide calls
+        # the plan's memory cap on an encoder set's patches; per sample its patches (per cost
+        # column) and which encoders it uses (the source's encoder_stats), for the cap and the
+        # group-wide calls
         self.encoder_patches, self.encoder_uses = encoder_stats or (None, None)
         self.max_encoder_patches = max_encoder_patches if encoder_stats else None
         self.assign_fn = assign_fn or assign
