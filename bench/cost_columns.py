@@ -54,8 +54,8 @@ CLUSTERS = ((16, 256, 4), (32, 512, 4), (32, 512, 8))  # GPUs, global batch, pip
 
 def served_time(plan, table, costs, columns: str, epochs: int) -> float:
     """Mean simulated iteration time of the service's stream under ``plan``."""
-    enc, llm, tok = table_costs(table, plan)
-    patches, uses = table_encoder_stats(table, plan)
+    enc, llm, tok = table_costs(table, plan, costs)
+    patches, uses = table_encoder_stats(table, plan, costs)
     frozen = plan.frozen_columns()
     shares = plan.shares_for(enc.shape[1])
     if columns == "groups":

@@ -197,28 +197,32 @@ def plan_for_dataset(
 
 
 def table_costs(
-    table: SampleTable, plan: ParallelPlan
+    table: SampleTable, plan: ParallelPlan, costs: Any = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per-sample (encoder cost [N, G] per ``plan.cost_columns()`` column, LLM cost, LLM
-    tokens) of ``table`` under ``plan``: what the loader service balances."""
+    tokens) of ``table`` under ``plan``: what the loader service balances. ``costs``: the
+    table's :class:`~entrain_data.cost_model.SampleCosts` under the plan's model and
+    calibration, where the caller has them already."""
     from .cost_model import per_sample_costs
 
-    costs = per_sample_costs(table, plan.model_spec(), calibration=plan.calibration)
+    if costs is None:
+        costs = per_sample_costs(table, plan.model_spec(), calibration=plan.calibration)
     return plan.column_costs(costs.encoder_cost()), costs.llm_cost(), np.asarray(costs.llm_tokens)
 
 
 def table_encoder_stats(
-    table: SampleTable, plan: ParallelPlan
+    table: SampleTable, plan: ParallelPlan, costs: Any = None
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """Per sample of ``table``: its encoder patches, [N, G] per ``plan.cost_columns()``
     column as :func:`table_costs` prices them (the memory model holds the plan's patch cap for
     every encoder segment a stage holds, so capping each column's set by it is safe), and
     which encoders it uses (``{"vision": bool[N], "audio": bool[N]}``). What the loader
     service needs for the patch cap and the group-wide encoder calls; a table is enough, no
-    calibration."""
+    calibration (``costs`` as for :func:`table_costs`)."""
     from .cost_model import per_sample_costs
 
-    pt = per_sample_costs(table, plan.model_spec()).encoder_tokens.astype(np.int64)
+    costs = costs if costs is not None else per_sample_costs(table, plan.model_spec())
+    pt = costs.encoder_tokens.astype(np.int64)
     patches = plan.column_costs(pt) if pt.shape[1] else pt.sum(axis=1)
     uses = {
         "vision": np.diff(table.image_offsets) > 0,

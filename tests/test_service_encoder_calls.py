@@ -22,24 +22,41 @@ from entrain_data.presets import ModelSpec
 
 pytestmark = pytest.mark.timeout(180)
 
+SPEC = ModelSpec.from_names(["qwen2.5-vl-vision", "whisper-large-v3-encoder"], "llama-3.2-1b")
+VIT = StageSegment("qwen2.5-vl-vision", 0, 0, 32, True, True)
+AUD = StageSegment("whisper-large-v3-encoder", 1, 0, 32, True, True)
+APART = (StagePlan(0, (VIT,)), StagePlan(1, (AUD,)),
+         StagePlan(2, (StageSegment("llm", None, 0, 16, True, True),)))  # fmt: skip
 
-def test_every_microbatch_carries_the_group_wide_encoder_calls(tmp_path):
-    shards = write_demo_dataset(tmp_path / "data", samples=48, shards=2, seed=1)
+
+def _demo(tmp_path, seed: int, gpus: int):
+    """A demo dataset's table and index, and a pp = 1 plan for it on ``gpus`` replicas."""
+    shards = write_demo_dataset(tmp_path / "data", samples=48, shards=2, seed=seed)
     table = build_index([str(s) for s in shards], progress=False)
     index = write_index(table, tmp_path / "index.parquet")
-    spec = ModelSpec.from_names(["qwen2.5-vl-vision", "whisper-large-v3-encoder"], "llama-3.2-1b")
-    plan = make_plan(table, spec, Cluster(2), 16, dp=2, tp=1, pp=1, microbatches=4, batches=2)
-    assert plan.max_encoder_patches > 0
-    svc = start_service(index=index, plan=plan, workers=2, socket_dir=str(tmp_path / "sock"))
-    loaders = [EntrainLoader(svc.endpoint, r, timeout=60) for r in (0, 1)]
+    plan = make_plan(table, SPEC, Cluster(gpus), 16, dp=gpus, tp=1, pp=1, microbatches=4, batches=2)
+    return table, index, plan
+
+
+def _serve_all(index, plan, ranks, socket_dir) -> dict:
+    """Every rank's whole epoch from a service of ``plan``, stopped however the test ends."""
+    svc = start_service(index=index, plan=plan, workers=2, socket_dir=str(socket_dir))
+    loaders = [EntrainLoader(svc.endpoint, r, timeout=60) for r in ranks]
     try:
-        out = {r: list(ld) for r, ld in enumerate(loaders)}
+        out = {r: list(ld) for r, ld in zip(ranks, loaders)}
         assert svc.wait(30) == 0
     finally:
         for ld in loaders:
             ld.close()
         svc.close()
-    costs = per_sample_costs(table, spec)
+    return out
+
+
+def test_every_microbatch_carries_the_group_wide_encoder_calls(tmp_path):
+    table, index, plan = _demo(tmp_path, seed=1, gpus=2)
+    assert plan.max_encoder_patches > 0
+    out = _serve_all(index, plan, (0, 1), tmp_path / "sock")
+    costs = per_sample_costs(table, SPEC)
     row = {str(k): i for i, k in enumerate(table.keys)}
     uses = {"vision": table.image_offsets, "audio": table.audio_offsets}
     by_position = defaultdict(list)
@@ -71,29 +88,11 @@ def test_encoders_on_their_own_stages_are_capped_per_stage(tmp_path):
     """Encoders on their own stages are a cost column each (``plan.cost_columns``): the
     service gives assign their patches per column, so the plan's patch cap bounds what each
     stage holds, and every sample is served exactly once."""
-    shards = write_demo_dataset(tmp_path / "data", samples=48, shards=2, seed=2)
-    table = build_index([str(s) for s in shards], progress=False)
-    index = write_index(table, tmp_path / "index.parquet")
-    spec = ModelSpec.from_names(["qwen2.5-vl-vision", "whisper-large-v3-encoder"], "llama-3.2-1b")
-    plan = make_plan(table, spec, Cluster(1), 16, dp=1, tp=1, pp=1, microbatches=4, batches=2)
-    stages = tuple(
-        StagePlan(i, (StageSegment(name, e, 0, n, True, True),))
-        for i, (name, e, n) in enumerate(
-            [("qwen2.5-vl-vision", 0, 32), ("whisper-large-v3-encoder", 1, 32), ("llm", None, 16)]
-        )
-    )
-    plan = replace(plan, world_size=3, pp=3, stages=stages, stage_shares=())
+    table, index, plan = _demo(tmp_path, seed=2, gpus=1)
+    plan = replace(plan, world_size=3, pp=3, stages=APART, stage_shares=())
     assert plan.encoder_groups() == [[0], [1]] and plan.max_encoder_patches > 0
-    svc = start_service(index=index, plan=plan, workers=2, socket_dir=str(tmp_path / "sock"))
-    loaders = [EntrainLoader(svc.endpoint, r, timeout=60) for r in range(3)]
-    try:
-        out = {r: list(ld) for r, ld in enumerate(loaders)}
-        assert svc.wait(30) == 0
-    finally:
-        for ld in loaders:
-            ld.close()
-        svc.close()
-    patches = per_sample_costs(table, spec).encoder_tokens
+    out = _serve_all(index, plan, range(3), tmp_path / "sock")
+    patches = per_sample_costs(table, SPEC).encoder_tokens
     row = {str(k): i for i, k in enumerate(table.keys)}
     served = [k for mb in out[0] for k in mb.encoder_keys]
     assert sorted(served) == sorted(str(k) for k in table.keys)
@@ -107,19 +106,11 @@ def test_a_replan_that_balances_the_encoders_apart_resumes(tmp_path):
     """Plan A holds both encoders on one stage (one cost column), plan B each on its own (two):
     the same index, seed and global batch cut the same global batches, so a state saved under
     A resumes under B at the start of its iteration instead of being refused as another index."""
-    shards = write_demo_dataset(tmp_path / "data", samples=48, shards=2, seed=2)
-    table = build_index([str(s) for s in shards], progress=False)
-    index = write_index(table, tmp_path / "index.parquet")
-    spec = ModelSpec.from_names(["qwen2.5-vl-vision", "whisper-large-v3-encoder"], "llama-3.2-1b")
-    base = make_plan(table, spec, Cluster(1), 16, dp=1, tp=1, pp=1, microbatches=4, batches=2)
-    vit = StageSegment("qwen2.5-vl-vision", 0, 0, 32, True, True)
-    aud = StageSegment("whisper-large-v3-encoder", 1, 0, 32, True, True)
-    together = (StagePlan(0, (vit, aud, StageSegment("llm", None, 0, 8, True, False))),
+    _, index, base = _demo(tmp_path, seed=2, gpus=1)
+    together = (StagePlan(0, (VIT, AUD, StageSegment("llm", None, 0, 8, True, False))),
                 StagePlan(1, (StageSegment("llm", None, 8, 16, False, True),)))  # fmt: skip
-    apart = (StagePlan(0, (vit,)), StagePlan(1, (aud,)),
-             StagePlan(2, (StageSegment("llm", None, 0, 16, True, True),)))  # fmt: skip
     a = replace(base, world_size=2, pp=2, stages=together, stage_shares=())
-    b = replace(base, world_size=3, pp=3, stages=apart, stage_shares=())
+    b = replace(base, world_size=3, pp=3, stages=APART, stage_shares=())
     assert a.cost_columns() == [[0, 1]] and b.cost_columns() == [[0], [1]]
     svc = start_service(index=index, plan=a, workers=1, socket_dir=str(tmp_path / "a"))
     loaders = [EntrainLoader(svc.endpoint, r, prefetch=2, timeout=60) for r in (0, 1)]

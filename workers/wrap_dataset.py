@@ -250,9 +250,12 @@ def prepare_wrap(
 
         table = table_from_sizes(n, sizes_fn)
     stats = None
-    if table is not None:
-        enc, llm, tok = table_costs(table, plan)
-        stats = table_encoder_stats(table, plan)
+    if table is not None:  # priced once, for the costs and the encoder stats alike
+        from entrain_data.cost_model import per_sample_costs
+
+        costs = per_sample_costs(table, plan.model_spec(), calibration=plan.calibration)
+        enc, llm, tok = table_costs(table, plan, costs)
+        stats = table_encoder_stats(table, plan, costs)
     elif cost_fn is not None:
         enc, llm, tok = costs_from_fn(n, cost_fn)
     else:
