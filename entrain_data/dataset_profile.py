@@ -57,6 +57,27 @@ def _vision_item(i: int, item: Any) -> VisionItem:
     raise InvalidInput(f"sizes_fn({i}): an image must have 2 or 3 sizes, got {item!r}")
 
 
+def _sizes_record(i: int, s: Mapping[str, Any], name: str) -> SampleMeta:
+    """One ``sizes_fn(i)`` mapping as a record; ``None`` images or audio mean none."""
+    t = s["text_tokens"]
+    if isinstance(t, bool) or not isinstance(t, (int, float, np.integer, np.floating)):
+        raise InvalidInput(f"sizes_fn({i}): text_tokens must be a whole number, got {t!r}")
+    if t != int(t):
+        raise InvalidInput(f"sizes_fn({i}): text_tokens must be a whole number, got {t!r}")
+    imgs, auds = s.get("images"), s.get("audio_seconds")
+    imgs, auds = (() if imgs is None else imgs), (() if auds is None else auds)
+    if not isinstance(imgs, (list, tuple, np.ndarray)):
+        raise InvalidInput(f"sizes_fn({i}): images must be a list of sizes, got {imgs!r}")
+    if not isinstance(auds, (list, tuple, np.ndarray)):
+        raise InvalidInput(f"sizes_fn({i}): audio_seconds must be a list, got {auds!r}")
+    try:
+        secs = tuple(float(x) for x in auds)
+    except (TypeError, ValueError) as exc:
+        raise InvalidInput(f"sizes_fn({i}): audio_seconds: {exc}") from exc
+    images = tuple(_vision_item(i, it) for it in imgs)
+    return SampleMeta(str(i), name, int(t), images, secs, row=i)
+
+
 def table_from_sizes(
     length: int, sizes_fn: Callable[[int], Any], *, name: str = "<dataset>"
 ) -> SampleTable:
@@ -78,12 +99,12 @@ def table_from_sizes(
                 f"got {sorted(s)}"
             )
         try:
-            tokens = int(s["text_tokens"])
-            secs = tuple(float(x) for x in s.get("audio_seconds", ()))
-        except (TypeError, ValueError) as exc:
-            raise InvalidInput(f"sizes_fn({i}): {exc}") from exc
-        images = tuple(_vision_item(i, it) for it in s.get("images", ()))
-        records.append(SampleMeta(str(i), name, tokens, images, secs, row=i))
+            records.append(_sizes_record(i, s, name))
+        except InvalidInput as exc:  # a VisionItem's or SampleMeta's check: name the call
+            msg = str(exc)
+            raise InvalidInput(
+                msg if msg.startswith("sizes_fn(") else f"sizes_fn({i}): {msg}"
+            ) from None
     if not records:
         raise InvalidInput(f"{name}: the dataset is empty")
     return SampleTable.from_records(records, origin=name)

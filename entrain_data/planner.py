@@ -191,11 +191,17 @@ def make_plan(
             raise pinned_cap_error(
                 max_tokens, cap_need(ctx, dp or 1, microbatches or 1), dp, microbatches
             )
+        if smallest_need is math.inf and dp and microbatches and dp * microbatches > global_batch:
+            raise PlanError(
+                f"global batch {global_batch} < dp {dp} x microbatches {microbatches}: every "
+                "microbatch needs at least one sample; lower microbatches or raise the batch"
+            )
         if smallest_need is math.inf:
             raise PlanError(
                 f"no layout of {cluster.world_size} GPUs meets the constraints (dp={dp}, tp={tp}, "
                 f"pp={pp}, microbatches={microbatches}, global batch {global_batch}): "
-                "dp must divide the global batch and tp*pp*dp equal the GPU count"
+                "dp must divide the global batch, tp*pp*dp equal the GPU count, and the global "
+                "batch hold at least dp * microbatches samples"
             )
         raise PlanError(
             f"model {model.name or model.llm.name!r} fits no layout of {cluster.world_size} GPUs: "

@@ -143,6 +143,10 @@ class ModuleConfig:
             raise InvalidInput(
                 f"module {self.name!r}: audio fields 'n_mels', 'audio_frame_rate', 'audio_window_seconds' must be > 0"
             )
+        for f in ("audio_conv_stride", "audio_pool"):  # divisors of the frame count
+            v = getattr(self, f)
+            if self.kind == "audio" and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise InvalidInput(f"module {self.name!r}: field {f!r} must be a whole number >= 1")
         if self.projector not in PROJECTORS:
             raise InvalidInput(
                 f"module {self.name!r}: field 'projector' must be one of {PROJECTORS}"

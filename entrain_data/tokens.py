@@ -11,6 +11,7 @@ are per item (image, video clip, audio clip).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -20,6 +21,7 @@ __all__ = [
     "ItemTokens",
     "vision_tokens",
     "audio_tokens",
+    "audio_seconds_grid",
     "smart_resize",
     "dynamic_pixel_bounds",
     "internvl_tiles",
@@ -194,9 +196,17 @@ def vision_tokens(
     )
 
 
+def audio_seconds_grid(seconds: Any) -> np.ndarray:
+    """Durations on a microsecond grid, as float64. An index stores them as float32: 3,200
+    samples at 16 kHz read back as 0.20000000298 s, one mel frame and one LLM token past the
+    clip's 20 frames. A microsecond is below one sample at any audio rate, so no real
+    boundary moves."""
+    return np.round(np.asarray(seconds, dtype=np.float64), 6)
+
+
 def audio_tokens(cfg: ModuleConfig, seconds: np.ndarray) -> ItemTokens:
     """Tokens of every audio clip: padded fixed windows through the encoder, real length into the LLM."""
-    sec = np.asarray(seconds, dtype=np.float64)
+    sec = audio_seconds_grid(seconds)
     win = cfg.audio_window_seconds
     n_win = np.maximum(1, np.ceil(sec / win - 1e-9)).astype(np.int64)
     seq = int(round(win * cfg.audio_frame_rate / cfg.audio_conv_stride))

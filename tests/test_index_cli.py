@@ -85,3 +85,13 @@ def test_quiet_folder_index_prints_nothing(tmp_path):
     assert p.returncode == 0 and p.stdout == p.stderr == ""
     p = run_index(str(folder), "-o", str(index))
     assert "passed over 1 file group(s)" in p.stderr and "wrote " in p.stdout
+
+
+def test_an_index_where_every_sample_was_skipped_is_refused(tmp_path):
+    """It was written with 0 samples and exit 0, to fail later at plan or serve."""
+    shard = write_shard(tmp_path / "bad.tar", {f"b{i}": BAD["notext"] for i in range(3)})
+    index = tmp_path / "index.parquet"
+    p = run_index(str(shard), "-o", str(index), "--on-error", "skip", "-q")
+    assert p.returncode == 2 and not index.exists()
+    assert "no sample could be indexed (3 skipped" in p.stderr
+    assert len((tmp_path / "index.parquet.skipped.jsonl").read_text().splitlines()) == 3

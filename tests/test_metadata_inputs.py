@@ -142,7 +142,7 @@ def test_json_array_record_names_its_line(tmp_path):
 
 def test_unknown_field_is_named(tmp_path):
     folder = _folder(tmp_path, [json.dumps({"file_name": "a.png", "text": "t"})])
-    with pytest.raises(InvalidInput, match=r"field 'caption' \(for 'text'\) not in the record"):
+    with pytest.raises(InvalidInput, match=r"field 'caption' \(for 'text'\) is in no record"):
         build_index(str(folder), parquet_columns={"text": "caption"}, progress=False)
 
 

@@ -65,6 +65,13 @@ def cmd_index(args: argparse.Namespace) -> int:
         metadata=args.metadata,
         captions=args.captions,
     )
+    if len(table) == 0:  # every sample skipped: an empty index would only fail later
+        where = Path(args.skipped or f"{args.output}.skipped.jsonl")
+        where.write_text("".join(json.dumps(s) + "\n" for s in skipped))
+        raise InvalidInput(
+            f"no sample could be indexed ({len(skipped)} skipped; keys and errors in {where}); "
+            f"{args.output} not written"
+        )
     write_index(table, args.output)
     if not args.quiet:
         print(

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 import soundfile as sf
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from entrain_data.workloads import VIDEO_FPS, VIDEO_MAX_FRAMES, VIDEO_MIN_FRAMES
 
@@ -112,11 +112,26 @@ def member_payload(ext: str, data: bytes) -> bytes:
     return data
 
 
+_TRANSPOSED = (5, 6, 7, 8)  # EXIF orientations that turn the stored image by 90 degrees
+
+
+def _orientation(im: Image.Image) -> int:
+    """The EXIF orientation tag (1 where there is none or it does not parse)."""
+    try:
+        return int(im.getexif().get(0x0112, 1))
+    except Exception:  # a truncated or malformed EXIF block: the image as stored
+        return 1
+
+
 def image_size(data: bytes) -> tuple[int, int]:
-    """(height, width) from the image header, without decoding the pixels."""
+    """(height, width) as displayed, from the image header, without decoding the pixels: a
+    phone photo stored landscape with an EXIF rotation is portrait, as ``transformers``'
+    ``load_image`` (``ImageOps.exif_transpose``) and :func:`decode_image` give it."""
     try:
         with Image.open(io.BytesIO(data)) as im:
             w, h = im.size
+            if _orientation(im) in _TRANSPOSED:
+                w, h = h, w
     except (
         UnidentifiedImageError,
         OSError,
@@ -142,12 +157,16 @@ def _to_rgb(im: Image.Image) -> Image.Image:
 def decode_image(
     data: bytes, size: tuple[int, int] | None = None, draft: bool = False
 ) -> np.ndarray:
-    """RGB uint8 [H, W, 3], resized (bicubic) to ``size`` = (H, W) when given."""
+    """RGB uint8 [H, W, 3] as displayed (EXIF orientation applied), resized (bicubic) to
+    ``size`` = (H, W) when given."""
     try:
         with Image.open(io.BytesIO(data)) as im:
+            turn = _orientation(im)
             if draft and size is not None and im.format == "JPEG":
                 # DCT-domain downscale to at least the target: big pages decode several times faster
-                im.draft("RGB", (size[1], size[0]))
+                im.draft("RGB", tuple(size) if turn in _TRANSPOSED else (size[1], size[0]))
+            if turn != 1:
+                im = ImageOps.exif_transpose(im)
             im = _to_rgb(im)
             if size is not None and (im.height, im.width) != tuple(size):
                 im = im.resize((int(size[1]), int(size[0])), Image.BICUBIC)
@@ -306,12 +325,22 @@ def _turn_text(turn: Any) -> tuple[str, str]:
     return role, str(value)
 
 
+_TURN_KEYS = ("conversations", "messages", "conversation", "turns")
+
+
+def _is_conversation(obj: Any) -> bool:
+    """A list of turns, or an object holding one under a conversation key."""
+    return isinstance(obj, list) or (
+        isinstance(obj, Mapping) and any(isinstance(obj.get(k), list) for k in _TURN_KEYS)
+    )
+
+
 def _json_segments(obj: Any) -> list[TextSegment]:
     turns = None
     if isinstance(obj, list):
         turns = obj
     elif isinstance(obj, Mapping):
-        for k in ("conversations", "messages", "conversation", "turns"):
+        for k in _TURN_KEYS:
             if isinstance(obj.get(k), list):
                 turns = obj[k]
                 break
@@ -335,11 +364,15 @@ def _json_segments(obj: Any) -> list[TextSegment]:
 def text_segments(members: Mapping[str, bytes]) -> list[TextSegment]:
     """The text of a sample from its text members (``json`` first, then ``txt``-like), in order.
 
+    Beside a ``txt``-like member, a ``json`` member counts only where it holds a conversation:
+    img2dataset / LAION / DataComp shards pair the caption (``.txt``) with a metadata object
+    (``.json``: url, sizes and the caption again), which is not more text to train on.
     Raises ValueError when no text member exists or one does not parse.
     """
     texts = sorted(e for e in members if member_kind(e) == "text")
     if not texts:
         raise ValueError("sample has no text member (txt/json)")
+    has_txt = any(_base_ext(e) != "json" for e in texts)
     segs: list[TextSegment] = []
     for ext in sorted(texts, key=lambda e: (_base_ext(e) != "json", e)):
         raw = member_payload(ext, members[ext])
@@ -349,9 +382,11 @@ def text_segments(members: Mapping[str, bytes]) -> list[TextSegment]:
             raise ValueError(f"text member .{ext} is not UTF-8 ({exc})") from exc
         if _base_ext(ext) == "json":
             try:
-                segs.extend(_json_segments(json.loads(s)))
+                obj = json.loads(s)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"text member .{ext} is not valid JSON ({exc})") from exc
+            if not has_txt or _is_conversation(obj):
+                segs.extend(_json_segments(obj))
         else:
             segs.append(TextSegment(s, True))
     return segs

@@ -237,14 +237,14 @@ def index_parquet(
     for row in range(table.num_rows):
         key = str(data["key"][row]) if "key" in data else f"{os.path.basename(path)}:{row}"
         try:
+            blobs = row_members({c: data[r][row] for r, c in cols.items()}, cols)
             if "text_tokens" in data:
                 n_text = int(data["text_tokens"][row])
             else:
-                text = data["text"][row]
-                if text is None:
+                if data["text"][row] is None:
                     raise ValueError("text is null")
-                n_text = count_text_tokens([decode.TextSegment(str(text), True)], tokenizer)
-            blobs = row_members({c: data[r][row] for r, c in cols.items()}, cols)
+                # the text as the packer renders it (a conversation column: its turns)
+                n_text = count_text_tokens(decode.text_segments(blobs), tokenizer)
             heads = [(e, decode.member_payload(e, b)) for e, b in sorted(blobs.items())]
             hs = _as_list(data.get("image_height", [None] * table.num_rows)[row])
             ws = _as_list(data.get("image_width", [None] * table.num_rows)[row])
@@ -272,17 +272,30 @@ def index_parquet(
 
 
 def _unique_keys(records: list[SampleMeta]) -> list[SampleMeta]:
-    """WebDataset keys are unique per shard; when shards share keys, prefix ``<shard name>:``."""
+    """WebDataset keys are unique per shard; when shards share keys, prefix ``<shard name>:``,
+    or, where shards in different folders share a name (``a/000.tar``, ``b/000.tar``), their
+    path below the folder common to all of them."""
     keys = [r.key for r in records]
     if len(set(keys)) == len(keys):
         return records
     from dataclasses import replace
 
-    log.info("sample keys repeat across shards: keys become '<shard file name>:<key>'")
-    return [
-        replace(r, key=f"{os.path.basename(r.source)}:{r.member}") if r.member else r
-        for r in records
-    ]
+    def prefixed(name) -> list[SampleMeta]:
+        return [replace(r, key=f"{name(r.source)}:{r.member}") if r.member else r for r in records]
+
+    out = prefixed(os.path.basename)
+    if len({r.key for r in out}) < len(out):
+
+        def where(p: str) -> str:  # object storage: the path inside the bucket's URL
+            return p.split("://", 1)[1] if "://" in p else os.path.abspath(p)
+
+        try:
+            root = os.path.commonpath([where(r.source) for r in records if r.member])
+            out = prefixed(lambda p: os.path.relpath(where(p), root))
+        except ValueError:  # local paths beside URLs: no common folder
+            out = prefixed(where)
+    log.info("sample keys repeat across shards: keys become '<shard>:<key>'")
+    return out
 
 
 def _hint_metadata(folder: str, exc: SampleError) -> None:

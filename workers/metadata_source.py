@@ -154,7 +154,8 @@ def read_record_at(path: str, offset: int) -> Any:
 def resolve_columns(
     path: str, records: Sequence[tuple[int, Any]], columns: Mapping[str, str] | None
 ) -> dict[str, str]:
-    """The mapping given, completed by the defaults (module doc) from the first record's fields."""
+    """The mapping given, completed by the defaults (module doc) from the fields of *every*
+    record: a LLaVA mix whose first records are text-only still names its images."""
     cols = dict(columns or {})
     if not records:
         raise InvalidInput(f"{path}: metadata file has no records")
@@ -167,22 +168,26 @@ def resolve_columns(
             f"{path}: unknown role {unknown[0]!r} in the column mapping (roles: text, key, "
             "media, image, audio, video)"
         )
+    fields: dict[str, None] = {}  # every record's fields, in order of first appearance
+    for _line, _o, obj in records:
+        if isinstance(obj, Mapping):
+            fields.update(dict.fromkeys(obj))
     if "text" not in cols:
-        found = [f for f in _TEXT_FIELDS if f in first]
+        found = [f for f in _TEXT_FIELDS if f in fields]
         if not found:
             raise InvalidInput(
-                f"{path}:{line}: no text field ({', '.join(_TEXT_FIELDS)}); map one with "
-                "--column text=FIELD"
+                f"{path}: no record has a text field ({', '.join(_TEXT_FIELDS)}); map one "
+                "with --column text=FIELD"
             )
         cols["text"] = found[0]
     if not set(cols) & set(_MEDIA_FIELDS):
         for role, names in _MEDIA_FIELDS.items():
-            found = [f for f in names if f in first]
+            found = [f for f in names if f in fields]
             if found:
                 cols[role] = found[0]
     for role, name in cols.items():
-        if name not in first:
-            raise InvalidInput(f"{path}:{line}: field {name!r} (for {role!r}) not in the record")
+        if name not in fields:
+            raise InvalidInput(f"{path}: field {name!r} (for {role!r}) is in no record")
     return cols
 
 

@@ -237,6 +237,7 @@ class SamplePacker:
             on_error == "skip" if validate_deferred is None else validate_deferred
         )
         self.parquet_columns = dict(parquet_columns or {"text": "text"})
+        _check_servable(table, self.parquet_columns)
         self.sources = SourceCache(  # metadata files read their records by the index's mapping
             max_open, opener=partial(open_source, metadata_columns=table.column_map or None)
         )
@@ -417,6 +418,28 @@ class SamplePacker:
 
     def close(self) -> None:
         self.sources.close()
+
+
+def _check_servable(table: SampleTable, columns: Mapping[str, str]) -> None:
+    """A Parquet index built from counts and sizes alone (``text_tokens``, ``image_height``...)
+    profiles and plans, but holds nothing to serve: say so once, not as a skip per row."""
+    rows = np.asarray(table.members) == ""
+    if not rows.any():
+        return
+    img = np.diff(np.asarray(table.image_offsets))[rows].any()
+    aud = np.diff(np.asarray(table.audio_offsets))[rows].any()
+    missing = [
+        role
+        for role, has in (("text", True), ("image", img), ("audio", aud))
+        if has and role not in columns
+    ]
+    if missing:
+        raise InvalidInput(
+            f"{table.origin}: the index's Parquet rows have no {'/'.join(missing)} column to "
+            f"serve (mapping {dict(columns)}): an index of counts and sizes plans but cannot be "
+            "served; index the table with the column(s) holding the text and encoded media "
+            "(--column text=COL --column image=COL --column audio=COL)"
+        )
 
 
 def make_packer(

@@ -16,11 +16,14 @@ worker), so it holds paths and recipes, never open files or sockets.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "Packed",
@@ -132,11 +135,15 @@ class DatasetSource:
     ``collate_fn`` (default: torch's ``default_collate``) into a dict of tensors;
     when the encoder set differs (deferral), its collated tensors follow under
     ``encoder/<name>``. Dataset, collate and cost function must be picklable (spawn).
+    A sample whose ``dataset[i]`` raises, or that the collate cannot join to the others
+    (its fields differ from theirs), is a ``SampleError`` naming ``dataset[i]``; under
+    ``on_error="skip"`` it is left out of both sets and listed, as an index's bad samples are.
     """
 
     dataset: Any
     cost_fn: Callable[[int], tuple[float, float, int]]
     collate_fn: Callable[[list[Any]], Any] | None = None
+    on_error: str = "skip"
 
     def costs(self) -> Costs:
         vals = np.array([self.cost_fn(i) for i in range(len(self.dataset))], dtype=np.float64)
@@ -150,21 +157,49 @@ class DatasetSource:
         return [str(i) for i in range(len(self.dataset))]
 
     def make_packer(self) -> Packer:
-        return _DatasetPacker(self.dataset, self.collate_fn)
+        return _DatasetPacker(self.dataset, self.collate_fn, self.on_error)
+
+
+def _odd_items(items: dict[int, Any]) -> list[int]:
+    """The rows whose item's fields differ from the most common field set (dict items only;
+    on a tie the larger set): what makes ``default_collate`` fail with a bare ``KeyError``."""
+    if not items or not all(isinstance(v, Mapping) for v in items.values()):
+        return []
+    sets = [frozenset(v) for v in items.values()]
+    common = max(set(sets), key=lambda k: (sets.count(k), len(k), sorted(map(str, k))))
+    return [i for i, k in zip(items, sets, strict=True) if k != common]
 
 
 class _DatasetPacker:
-    def __init__(self, dataset: Any, collate_fn: Callable[[list[Any]], Any] | None) -> None:
+    def __init__(
+        self, dataset: Any, collate_fn: Callable[[list[Any]], Any] | None, on_error: str = "skip"
+    ) -> None:
         if collate_fn is None:
             from torch.utils.data import default_collate
 
             collate_fn = default_collate
-        self.dataset, self.collate = dataset, collate_fn
+        if on_error not in ("raise", "skip"):
+            from entrain_data.errors import InvalidInput
 
-    def _collate(self, rows: list[int], prefix: str) -> dict[str, np.ndarray]:
+            raise InvalidInput(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        self.dataset, self.collate, self.on_error = dataset, collate_fn, on_error
+
+    def _bad(self, row: int, why: str, skipped: list[dict[str, str]]) -> None:
+        """Raise a SampleError naming ``dataset[row]``, or (skip) list it."""
+        from entrain_data.errors import SampleError
+
+        exc = SampleError(f"dataset[{row}]: {why}", source="dataset", key=str(row))
+        if self.on_error == "raise":
+            raise exc
+        log.warning("skipping sample: %s", exc)
+        skipped.append({"key": str(row), "source": "dataset", "error": str(exc)})
+
+    def _collate(
+        self, rows: list[int], items: dict[int, Any], prefix: str
+    ) -> dict[str, np.ndarray]:
         if not rows:
             return {}
-        batch = self.collate([self.dataset[i] for i in rows])
+        batch = self.collate([items[i] for i in rows])
         if not isinstance(batch, dict):
             raise TypeError(f"collate_fn must return a dict of tensors, got {type(batch).__name__}")
         out = {}
@@ -173,11 +208,41 @@ class _DatasetPacker:
             out[prefix + str(name)] = arr
         return out
 
+    def _pack(self, encoder_rows: list[int], llm_rows: list[int], items: dict[int, Any]) -> Packed:
+        enc = [i for i in encoder_rows if i in items]
+        llm = [i for i in llm_rows if i in items]
+        tensors = self._collate(llm, items, "")
+        if sorted(enc) != sorted(llm):
+            tensors.update(self._collate(enc, items, "encoder/"))
+        return Packed([str(i) for i in enc], [str(i) for i in llm], tensors)
+
     def __call__(self, encoder_rows: list[int], llm_rows: list[int]) -> Packed:
-        tensors = self._collate(llm_rows, "")
-        if sorted(encoder_rows) != sorted(llm_rows):
-            tensors.update(self._collate(encoder_rows, "encoder/"))
-        return Packed([str(i) for i in encoder_rows], [str(i) for i in llm_rows], tensors)
+        skipped: list[dict[str, str]] = []
+        items: dict[int, Any] = {}
+        for i in dict.fromkeys([*encoder_rows, *llm_rows]):
+            try:
+                items[i] = self.dataset[i]
+            except Exception as exc:  # the user's __getitem__: name the sample
+                self._bad(i, f"{type(exc).__name__}: {exc}", skipped)
+        try:
+            packed = self._pack(encoder_rows, llm_rows, items)
+        except Exception as exc:  # the collate: a sample unlike the others, else the whole set
+            odd = _odd_items(items)
+            if not odd:
+                from entrain_data.errors import SampleError
+
+                rows = list(items)
+                raise SampleError(
+                    f"collate_fn failed on dataset{rows[:8]}: {type(exc).__name__}: {exc}",
+                    source="dataset",
+                    key=str(rows[0]) if rows else None,
+                ) from exc
+            for i in odd:
+                keys = sorted(map(str, items.pop(i)))
+                self._bad(i, f"collate failed ({exc!r}): its fields {keys} differ", skipped)
+            packed = self._pack(encoder_rows, llm_rows, items)
+        packed.skipped.extend(skipped)
+        return packed
 
 
 @dataclass(frozen=True)

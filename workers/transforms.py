@@ -42,7 +42,13 @@ from PIL import Image
 
 from entrain_data.errors import InvalidInput
 from entrain_data.presets import ModuleConfig
-from entrain_data.tokens import audio_tokens, dynamic_pixel_bounds, smart_resize, vision_tokens
+from entrain_data.tokens import (
+    audio_seconds_grid,
+    audio_tokens,
+    dynamic_pixel_bounds,
+    smart_resize,
+    vision_tokens,
+)
 
 __all__ = ["VisionTransform", "AudioTransform", "SAMPLE_RATE", "tile_canvas", "resize_rgb"]
 
@@ -241,7 +247,8 @@ class AudioTransform:
     def frames(self, seconds: float) -> int:
         """Mel frames of a clip: ceil(seconds * rate) (at least 1); divides into the LLM tokens."""
         k = self.cfg.audio_conv_stride * self.cfg.audio_pool
-        return max(1, math.ceil(seconds * self.cfg.audio_frame_rate - k * _EPS))
+        sec = float(audio_seconds_grid(seconds))  # the cost model's grid (float32 indexes)
+        return max(1, math.ceil(sec * self.cfg.audio_frame_rate - k * _EPS))
 
     def llm_tokens(self, seconds: float) -> int:
         """Encoder output tokens of a clip: the cost model's count."""

@@ -78,6 +78,7 @@ class ProfiledDataset:
     collate_fn: Callable[[list[Any]], Any] | None
     profiled: _FixedCosts
     stats: tuple[np.ndarray, dict[str, np.ndarray]] | None = None
+    on_error: str = "skip"  # the service's: a bad item is named, and skipped or fatal
 
     def costs(self) -> Costs:
         return self.profiled()
@@ -89,7 +90,7 @@ class ProfiledDataset:
         return [str(i) for i in range(len(self.dataset))]
 
     def make_packer(self) -> Packer:
-        return DatasetSource(self.dataset, None, self.collate_fn).make_packer()  # type: ignore[arg-type]
+        return DatasetSource(self.dataset, None, self.collate_fn, self.on_error).make_packer()  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -260,7 +261,8 @@ def prepare_wrap(
         enc, llm, tok = costs_from_fn(n, cost_fn)
     else:
         raise InvalidInput("describe the dataset: give cost_fn or sizes_fn")
-    source = ProfiledDataset(ds, collate, _FixedCosts(enc, llm, tok), stats)
+    on_error = options.get("on_error", "skip")
+    source = ProfiledDataset(ds, collate, _FixedCosts(enc, llm, tok), stats, on_error)
     if plan.world_size > 1 and "ranks" not in options:
         options["ranks"] = (rank, rank)  # every rank runs wrap: each serves itself
     return WrapSpec(plan, source, workers or 1, options)
