@@ -173,6 +173,21 @@ def test_zero_budget_means_no_deferral():
         ({"pipeline_stages": 0}, "pipeline_stages must be"),
         ({"pipeline_stages": True}, "pipeline_stages must be"),
         ({"pipeline_stages": 2.5}, "pipeline_stages must be"),
+        # each of these raised numpy's own error, or named the wrong cause
+        ({"encoder_cost": np.array(["a"] * 16)}, "encoder_cost must be real numbers"),
+        ({"llm_cost": np.ones(16) + 1j}, "llm_cost must be real numbers"),
+        ({"tokens": np.array(["x"] * 16)}, "tokens must be whole numbers"),
+        ({"tokens": np.full(16, 1e30)}, "too large"),
+        ({"tokens": np.full(16, 2**63 + 5, np.uint64)}, "too large"),
+        ({"dp": True}, "dp must be"),
+        ({"max_tokens": True}, "max_tokens must be"),
+        ({"max_delay": True}, "max_delay must be"),
+        ({"iteration": None}, "iteration must be"),
+        ({"seed": 1.5}, "seed must be"),
+        (
+            {"encoder_patches": np.ones(16, int), "max_encoder_patches": [5, 5, 5]},
+            "one cap or one per encoder column",
+        ),
     ],
 )
 def test_bad_input_names_the_problem(kwargs, match):

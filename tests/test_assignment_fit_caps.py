@@ -20,6 +20,34 @@ def test_work_balanced_split_that_breaks_the_token_cap_is_repaired():
         assert tokens[a.llm_sets[r][0]].sum() <= 100
 
 
+@pytest.mark.parametrize(
+    "caps",
+    [
+        {"tokens": np.array([10, 1, 1, 1]), "max_tokens": 10},
+        {
+            "tokens": np.ones(4, np.int64),
+            "encoder_patches": np.array([10, 1, 1, 1]),
+            "max_encoder_patches": 10,
+        },
+    ],
+)
+def test_caps_that_need_unequal_counts_per_replica_are_met(caps):
+    """10, 1, 1, 1 under a cap of 10 on 2 replicas of one microbatch packs only as {10},
+    {1, 1, 1}; swaps keep the counts equal, so entrain refused it where the peers served it."""
+    kw = {k: v for k, v in caps.items() if k != "tokens"}
+    a = assign(np.ones(4), np.ones(4), caps["tokens"], dp=2, microbatches=1, **kw)
+    check_assignment(a, 4, caps["tokens"], **kw)
+    assert sorted(len(s[0]) for s in a.llm_sets) == [1, 3]
+
+
+def test_patches_of_a_sample_priced_at_zero_still_count_against_the_cap():
+    """A frozen or cheap encoder prices a sample at 0, but its patches still fill the set."""
+    patches = np.full(4, 10)
+    a = assign(np.zeros(4), np.array([3.0, 1, 1, 1]), np.ones(4, np.int64), dp=1,
+               microbatches=2, encoder_patches=patches, max_encoder_patches=20)  # fmt: skip
+    check_assignment(a, 4, encoder_patches=patches, max_encoder_patches=20)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     seed=st.integers(0, 10_000),

@@ -301,3 +301,15 @@ def test_the_fluid_cv_is_the_cv_of_the_loads_it_describes(seed, m, k, even):
     assert np.allclose(_fluid_cv(hk, lk, share), want, rtol=0, atol=1e-12)
     one = module_cv(hk + share[:, 0, :, None] * lk[:, None, :])  # a profile per row: [3, k]
     assert np.allclose(_fluid_cv(hk, lk, share[:, 0]), one, rtol=0, atol=1e-12)
+
+
+def test_a_second_encoder_used_by_one_sample_does_not_break_the_light_work():
+    """The slowest replicas' subset held one more module than the subset laid out (the one
+    sample of the second encoder): the CV check failed on the shapes."""
+    enc = np.zeros((10, 2))
+    enc[:, 0] = [0.513, 0.707, 1.213, 1.34, 0.248, 0.174, 0.506, 0.575, 1.848, 0.357]
+    enc[2, 1] = 0.533
+    llm = np.array([1.068, 0.442, 2.789, 1.653, 2.829, 0.074, 0.154, 0.088, 0.623, 1.841])
+    tok = np.array([87, 77, 97, 32, 90, 92, 23, 47, 57, 69])
+    a = assign(enc, llm, tok, dp=3, microbatches=3, pipeline_stages=8)
+    check_assignment(a, 10, tok)

@@ -21,7 +21,7 @@ from .baselines import (
     assign_verl_kk,
     assign_wlb_llm,
 )
-from .common import Assignment, Inputs, check_assignment, validate_inputs
+from .common import Assignment, Inputs, check_assignment, validate_inputs, whole
 from .delay import assign_delayed
 
 __all__ = [
@@ -124,6 +124,9 @@ def assign(
         raise InvalidInput(
             f"unknown assignment method {method!r}; choose one of {', '.join(METHODS)}"
         )
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise InvalidInput(f"seed must be an integer, got {seed!r}")
+    iteration = whole("iteration", iteration, 0)
     x = validate_inputs(
         encoder_cost,
         llm_cost,

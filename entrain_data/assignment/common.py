@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 
@@ -159,15 +160,18 @@ class Replicas:
         return random_cut_cv(self.module_costs, self.valid, self.m)
 
     def take(self, replicas: np.ndarray) -> Replicas:
-        """The same value restricted to some replicas (rows), e.g. the slowest ones. Where the
-        subset has the same modules (:attr:`encoders_together`), :attr:`module_costs` and
-        :attr:`cut_cv` already computed are taken along (each row's is its own)."""
+        """The same value restricted to some replicas (rows), e.g. the slowest ones. It keeps
+        the batch's modules (:attr:`encoders_together`) whatever the rows hold: two subsets
+        of one batch must compare module by module (a subset without the one sample of a
+        second encoder had one module fewer, and the light work's CV check failed on the
+        shapes). :attr:`module_costs` and :attr:`cut_cv` already computed are taken along
+        (each row's is its own)."""
         arrays = ("members", "valid", "has_enc", "enc_cols", "enc_w", "llm", "tok", "patches")
         out = replace(self, **{k: getattr(self, k)[replicas] for k in arrays})
-        if out.encoders_together == self.encoders_together:
-            for name in ("module_costs", "cut_cv"):
-                if name in self.__dict__:
-                    out.__dict__[name] = self.__dict__[name][replicas]
+        out.__dict__["encoders_together"] = self.encoders_together
+        for name in ("module_costs", "cut_cv"):
+            if name in self.__dict__:
+                out.__dict__[name] = self.__dict__[name][replicas]
         return out
 
 
@@ -267,9 +271,12 @@ def validate_inputs(
     stage_shares=None,
 ) -> Inputs:
     """Check shapes, values and feasibility; raise :class:`InvalidInput` naming the problem."""
-    enc = np.asarray(encoder_cost, dtype=np.float64)
-    llm = np.asarray(llm_cost, dtype=np.float64)
+    enc, llm = _real_array("encoder_cost", encoder_cost), _real_array("llm_cost", llm_cost)
     tok = np.asarray(tokens)
+    if tok.dtype == bool or not (
+        np.issubdtype(tok.dtype, np.integer) or np.issubdtype(tok.dtype, np.floating)
+    ):
+        raise InvalidInput(f"tokens must be whole numbers, got dtype {tok.dtype}")
     if enc.ndim == 1:
         enc = enc[:, None]
     if enc.ndim != 2:
@@ -297,38 +304,31 @@ def validate_inputs(
         not np.isfinite(tok).all() or np.any(tok != np.round(tok))
     ):
         raise InvalidInput("tokens must be whole numbers")
-    tok = tok.astype(np.int64)
     bad = np.flatnonzero(tok < 0)
     if len(bad):
         raise InvalidInput(f"tokens is negative for sample {int(bad[0])}")
-    for name, v in (("dp", dp), ("microbatches", microbatches)):
-        if not isinstance(v, (int, np.integer)) or v < 1:
-            raise InvalidInput(f"{name} must be an integer >= 1, got {v!r}")
-    dp, microbatches = int(dp), int(microbatches)
+    bad = np.flatnonzero(tok > 2**62)  # before the cast, which would wrap them negative
+    if len(bad):
+        raise InvalidInput(f"tokens is {tok[bad[0]]} for sample {int(bad[0])}: too large")
+    tok = tok.astype(np.int64)
+    dp, microbatches = whole("dp", dp, 1), whole("microbatches", microbatches, 1)
     if b < dp * microbatches:
         raise InvalidInput(
             f"{b} samples cannot fill dp={dp} x microbatches={microbatches} = {dp * microbatches} "
             "microbatches (need at least one sample each)"
         )
     if max_tokens is not None:
-        if not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
-            raise InvalidInput(f"max_tokens must be a positive integer or None, got {max_tokens!r}")
+        max_tokens = whole("max_tokens", max_tokens, 1, "or None")
         big = np.flatnonzero(tok > max_tokens)
         if len(big):
             i = int(big[0])
             raise InvalidInput(
                 f"sample {i} has {int(tok[i])} tokens, more than the token cap max_tokens={int(max_tokens)}"
             )
-        max_tokens = int(max_tokens)
     if defer_budget is not None:
-        if not isinstance(defer_budget, (int, np.integer)) or defer_budget < 0:
-            raise InvalidInput(
-                f"defer_budget must be an integer >= 0 or None, got {defer_budget!r}"
-            )
-        defer_budget = int(defer_budget)
+        defer_budget = whole("defer_budget", defer_budget, 0, "or None")
     patches, patch_cap = _check_patches(enc.shape[1], b, encoder_patches, max_encoder_patches)
-    if not isinstance(max_delay, (int, np.integer)) or max_delay < 0:
-        raise InvalidInput(f"max_delay must be an integer >= 0, got {max_delay!r}")
+    max_delay = whole("max_delay", max_delay, 0)
     age = np.zeros(b, np.int64) if ages is None else np.asarray(ages)
     if age.shape != (b,) or not np.issubdtype(age.dtype, np.integer) or (age < 0).any():
         raise InvalidInput(f"ages must be [{b}] integers >= 0 (iterations carried), got {age!r}")
@@ -434,8 +434,14 @@ def _check_patches(e: int, b: int, encoder_patches, max_encoder_patches):
     pt = pt.astype(np.int64)
     if max_encoder_patches is None:
         return pt, None
-    cap = np.broadcast_to(np.asarray(max_encoder_patches), (pt.shape[1],))
-    if not np.issubdtype(cap.dtype, np.integer) or (cap < 1).any():
+    cap = np.asarray(max_encoder_patches)
+    if cap.ndim > 1 or cap.size not in (1, pt.shape[1]):
+        raise InvalidInput(
+            f"max_encoder_patches must be one cap or one per encoder column ({pt.shape[1]}), "
+            f"got {max_encoder_patches!r}"
+        )
+    cap = np.broadcast_to(cap.reshape(-1), (pt.shape[1],))
+    if cap.dtype == bool or not np.issubdtype(cap.dtype, np.integer) or (cap < 1).any():
         raise InvalidInput(
             f"max_encoder_patches must be positive integers (one or one per encoder), "
             f"got {max_encoder_patches!r}"
@@ -448,6 +454,25 @@ def _check_patches(e: int, b: int, encoder_patches, max_encoder_patches):
             f"max_encoder_patches={int(cap[k])}"
         )
     return pt, cap.astype(np.int64)
+
+
+def whole(name: str, value: Any, low: int, extra: str = "") -> int:
+    """``value`` as an int >= ``low``, or an InvalidInput naming ``name`` (a bool is no count)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise InvalidInput(
+            f"{name} must be an integer >= {low} {extra}".rstrip() + f", got {value!r}"
+        )
+    return int(value)
+
+
+def _real_array(name: str, value: Any) -> np.ndarray:
+    """``value`` as float64, or an InvalidInput naming ``name`` (strings, objects, complex)."""
+    arr = np.asarray(value)
+    if arr.dtype == bool or not (
+        np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)
+    ):
+        raise InvalidInput(f"{name} must be real numbers, got dtype {arr.dtype}")
+    return arr.astype(np.float64)
 
 
 def rng_for(seed: int, iteration: int, salt: int = 0) -> np.random.Generator:

@@ -193,7 +193,9 @@ def replicas_of(x: Inputs, members: np.ndarray) -> Replicas:
     return Replicas(
         members=members,
         valid=valid,
-        has_enc=valid & (x.enc[safe].sum(axis=2) > 0),
+        # a sample with patches is encoded, and its patches count, even where a frozen or
+        # cheap encoder prices it at 0
+        has_enc=valid & ((x.enc[safe].sum(axis=2) > 0) | (patches.sum(axis=2) > 0)),
         enc_cols=np.where(valid[..., None], x.enc[safe], 0.0),
         enc_w=np.where(valid, norm_columns(x.enc)[safe].sum(axis=2), 0.0),
         llm=np.where(valid, x.llm[safe], 0.0),

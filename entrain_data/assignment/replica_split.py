@@ -218,7 +218,39 @@ def fit_caps(members: np.ndarray, x: Inputs, w: np.ndarray) -> np.ndarray:
                     break
                 members[[o, u], [a, b]] = members[[u, o], [b, a]]  # undo: u would not pack
             if ok[o] or not swapped:
-                break  # packs now, or no swap helps (the set builder then names the sample)
+                break  # packs now, or no swap helps
+    if not ok.all():  # swaps keep the counts; some batches need a replica to hold fewer
+        members = _move_to_fit(members, size, ok, m)
+    return members
+
+
+def _move_to_fit(members: np.ndarray, size: np.ndarray, ok: np.ndarray, m: int) -> np.ndarray:
+    """Move samples of replicas that still do not pack, largest first, to the least-loaded
+    replicas that pack with them (a pad slot taken, or one more column of pads): a token cap
+    of 10 over samples of 10, 1, 1, 1 tokens on 2 replicas of one microbatch packs only as
+    {10}, {1, 1, 1}. A replica keeps at least ``m`` samples (no empty set). Where no move
+    helps, the set builder names the sample that cannot be packed."""
+    for o in np.flatnonzero(~ok):
+        while not ok[o] and (members[o] >= 0).sum() > m:
+            mine = np.where(members[o] >= 0, size[members[o]].max(axis=1), -np.inf)
+            moved = False
+            for a in np.argsort(-mine, kind="stable")[: int((members[o] >= 0).sum())]:
+                for u in np.argsort(size[members].sum(axis=(1, 2)), kind="stable"):
+                    if u == o or not ok[u]:
+                        continue
+                    if not (members[u] < 0).any():
+                        members = np.pad(members, ((0, 0), (0, 1)), constant_values=-1)
+                    b = int(np.argmax(members[u] < 0))
+                    members[u, b], members[o, a] = members[o, a], -1
+                    if _packs(size[members[u : u + 1]], m)[0]:
+                        moved = True
+                        break
+                    members[o, a], members[u, b] = members[u, b], -1  # undo: u would not pack
+                if moved:
+                    ok[o] = bool(_packs(size[members[o : o + 1]], m)[0])
+                    break
+            if not moved:
+                break
     return members
 
 
