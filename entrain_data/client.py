@@ -270,6 +270,7 @@ class EntrainLoader:
                 self._expect_end = epoch
             else:
                 self._position = (epoch, it, mb)
+            conn.position = self._position
             self._owed = True
             yield batch
 

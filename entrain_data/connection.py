@@ -86,6 +86,9 @@ class Connection:
         direct: bool = True,
     ) -> None:
         self.endpoint, self.rank, self.timeout = endpoint, rank, timeout
+        # the next microbatch the rank would read, told on close: a rank that stops after
+        # exactly its microbatches (a fixed step count) never sends the credit past its last
+        self.position = position
         self.service = (
             service  # the handle of a service this process started; checked while waiting
         )
@@ -142,17 +145,30 @@ class Connection:
             first["tcp"] = self._open_tcp_socket(str(self.info["remote_host"]))
         self._send("credit", first)
 
-    def _open_data_socket(self) -> dict[str, str]:
-        """Bind an ipc PULL socket in a private temp dir, with a token the service checks."""
-        self.data_dir = tempfile.mkdtemp(prefix="entrain-rank-")
-        token = secrets.token_hex(16)
-        with open(os.path.join(self.data_dir, "token"), "w", encoding="ascii") as f:
-            f.write(token)
-        self.data = self.ctx.socket(zmq.PULL)
-        self.data.setsockopt(zmq.LINGER, 0)
-        endpoint = f"ipc://{self.data_dir}/data.sock"
-        self.data.bind(endpoint)
-        return {"endpoint": endpoint, "token": token}
+    def _open_data_socket(self) -> dict[str, str] | None:
+        """Bind an ipc PULL socket in a private temp dir, with a token the service checks.
+
+        A socket path is at most 107 bytes: under a long ``TMPDIR`` (a Kubernetes emptyDir)
+        the dir is made in ``/tmp`` instead, and where no bind works the rank takes its
+        microbatches through the coordinator (None: no direct route offered)."""
+        for root in dict.fromkeys([None, "/tmp"]):
+            try:
+                self.data_dir = tempfile.mkdtemp(prefix="entrain-rank-", dir=root)
+                token = secrets.token_hex(16)
+                with open(os.path.join(self.data_dir, "token"), "w", encoding="ascii") as f:
+                    f.write(token)
+                self.data = self.ctx.socket(zmq.PULL)
+                self.data.setsockopt(zmq.LINGER, 0)
+                endpoint = f"ipc://{self.data_dir}/data.sock"
+                self.data.bind(endpoint)
+                return {"endpoint": endpoint, "token": token}
+            except (zmq.ZMQError, OSError) as exc:
+                self._close_data_socket()
+                why = exc
+        log.warning(
+            "rank %d: no direct data socket (%s): served by the coordinator", self.rank, why
+        )
+        return None
 
     def _open_tcp_socket(self, host: str) -> dict[str, str]:
         """A tcp PULL socket, CURVE server with a fresh key pair, for remote workers.
@@ -326,11 +342,14 @@ class Connection:
                 log.warning("rank %d: ignored a %r message", self.rank, msg.kind)
 
     def close(self) -> None:
+        sent = False
         try:
             if not self.sock.closed:
-                self.sock.send_multipart(protocol.encode("bye", {}), zmq.NOBLOCK)
+                bye = protocol.encode("bye", {"next": list(self.position)})
+                self.sock.send_multipart(bye, zmq.NOBLOCK)
+                sent = True
         except zmq.ZMQError:
             pass
-        self.sock.close(linger=0)
+        self.sock.close(linger=200 if sent else 0)  # long enough for the bye to leave
         self._close_data_socket()
         self.ctx.term()

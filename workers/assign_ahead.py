@@ -7,6 +7,9 @@ runs the :class:`~.schedule.Scheduler` (the only thread that touches it). The
 serving loop meanwhile keeps receiving credits, delivering finished microbatches
 and answering ranks. Results are a pure function of the seed, so an iteration
 dropped from the bounded cache is simply assigned again if a lagging rank needs it.
+The cache drops the iteration used least recently: a replica many iterations behind
+the others keeps the one it is reading (dropping the oldest dropped it the moment it
+was assigned again, and that rank never got a microbatch).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import heapq
 import logging
 import threading
+from collections import OrderedDict
 from typing import Any
 
 from entrain_data.errors import EntrainError
@@ -33,7 +37,7 @@ class AssignAhead:
         self.shape = scheduler.shape
         self.ahead, self.cache = ahead, max(cache, ahead + 2)
         self.error: EntrainError | None = None
-        self._done: dict[tuple[int, int], list[list[Slot]]] = {}
+        self._done: OrderedDict[tuple[int, int], list[list[Slot]]] = OrderedDict()  # LRU
         self._asked: set[tuple[int, int]] = set()
         self._heap: list[tuple[int, int]] = []
         self._cv = threading.Condition()
@@ -48,6 +52,7 @@ class AssignAhead:
         with self._cv:
             slots = self._done.get(key)
             if slots is not None:
+                self._done.move_to_end(key)
                 return slots[replica][mb]
             for k in range(self.ahead + 1):
                 e, i = divmod(epoch * self.shape.iterations + it + k, self.shape.iterations)
@@ -84,8 +89,8 @@ class AssignAhead:
             with self._cv:
                 self._asked.discard(key)
                 self._done[key] = slots
-                while len(self._done) > self.cache:
-                    self._done.pop(min(self._done))  # the oldest iteration: re-assigned if needed
+                while len(self._done) > self.cache:  # least recently used: re-assigned if needed
+                    self._done.popitem(last=False)
 
     @property
     def latencies(self) -> list[float]:

@@ -34,7 +34,7 @@ from entrain_data.plan import ParallelPlan
 
 from .assign_ahead import AssignAhead
 from .config import ServiceConfig, State
-from .hello import check_hello
+from .hello import check_hello, past_end
 from .pool import WorkerPool
 from .production import Production, RankState, reachable_data_endpoint, remote_host
 from .sample_source import encoder_stats
@@ -229,8 +229,8 @@ class Coordinator:
                 self.counters.tasks_reissued += len(lost)
             if pool.fatal is not None:
                 self._fail(front, pool.fatal)
-            elif pool.restarts > self.cfg.max_restarts:
-                self._fail(front, WorkerDied(f"workers died {pool.restarts} times; giving up"))
+            elif (n := pool.recent_restarts()) > self.cfg.max_restarts:
+                self._fail(front, WorkerDied(f"workers died {n} times in 10 minutes; giving up"))
             if self.ahead is not None and self.ahead.error is not None:
                 self._fail(front, self.ahead.error)
             if self.error is None:
@@ -279,9 +279,11 @@ class Coordinator:
                 self.done.add(rank)
         elif msg.kind == "stats":
             self._reply(front, ident, "stats", {"stats": self.stats()})
-        elif msg.kind == "bye":
+        elif msg.kind == "bye":  # a rank that leaves past its last microbatch is done
             self.by_ident.pop(ident, None)
             self.ranks.pop(rank, None)
+            if past_end(msg.header.get("next"), self.cfg.epochs):
+                self.done.add(rank)
         else:
             self._reject(front, ident, f"unexpected {msg.kind!r} message from rank {rank}")
 
@@ -492,9 +494,7 @@ class Coordinator:
         return self._pool_stats_fn() if self._pool_stats_fn else []
 
     def _maybe_log_stats(self) -> None:
-        if (
-            self.cfg.stats_interval
-            and time.monotonic() - self._last_stats >= self.cfg.stats_interval
-        ):
+        every = self.cfg.stats_interval
+        if every and time.monotonic() - self._last_stats >= every:
             self._last_stats = time.monotonic()
             (self.on_stats or (lambda st: log.info("stats %s", json.dumps(st))))(self.stats())

@@ -13,7 +13,7 @@ from entrain_data.errors import InvalidInput, ProtocolError
 
 from .schedule import StreamShape
 
-__all__ = ["check_hello"]
+__all__ = ["check_hello", "past_end"]
 
 
 def check_hello(
@@ -62,3 +62,14 @@ def check_hello(
     if elastic:
         mb = 0  # a new plan re-assigns the whole iteration: resume at its start
     return rank, (epoch, it, mb), elastic
+
+
+def past_end(position: Any, epochs: int) -> bool:
+    """Whether a ``bye``'s ``next`` (the microbatch the rank would read next) lies past the
+    rank's last microbatch: it read them all. Anything malformed reads as not past."""
+    if not (isinstance(position, list) and len(position) == 3):
+        return False
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in position):
+        return False
+    epoch, it, mb = position
+    return epoch >= epochs and it == 0 and mb == 0

@@ -34,6 +34,9 @@ __all__ = ["WorkerPool", "stop_processes"]
 
 log = logging.getLogger(__name__)
 
+RESTART_WINDOW = 600.0
+"""Seconds over which worker restarts count against ``max_restarts``."""
+
 _START_FAILURES = 2  # consecutive deaths before "ready" that make a configuration error
 
 
@@ -76,7 +79,8 @@ class WorkerPool:
         self.log_level = log_level
         self.ctx = mp.get_context("spawn")
         self.slots: list[_Slot] = []
-        self.restarts = 0
+        self.restarts = 0  # over the run (stats)
+        self._deaths: list[float] = []  # when each restart happened (monotonic seconds)
         self.fatal: EntrainError | None = None
         self._start_failures: dict[int, int] = {}
         self.remote_timeout = 30.0  # seconds without a word before a remote worker is dead
@@ -212,8 +216,16 @@ class WorkerPool:
             if self.shared_dir is not None:  # its segments: ranks that map one keep it
                 remove_segments(self.shared_dir, s.ident.decode())
             self.restarts += 1
+            self._deaths.append(time.monotonic())
             self.slots[i] = self._spawn(s.index, s.generation + 1)
         return lost
+
+    def recent_restarts(self, window: float = RESTART_WINDOW) -> int:
+        """Restarts within the last ``window`` seconds: a multi-day run that loses a worker
+        now and then (an OOM kill) keeps going; one whose workers keep dying stops."""
+        cut = time.monotonic() - window
+        self._deaths = [t for t in self._deaths if t >= cut]
+        return len(self._deaths)
 
     def stats(self) -> list[dict[str, Any]]:
         out = []

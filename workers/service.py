@@ -16,6 +16,7 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
+import socket
 import tempfile
 import weakref
 from pathlib import Path
@@ -190,6 +191,9 @@ def make_config(
         raise InvalidInput("give an index, a source, or both packer_factory and table_costs")
     if check_packer:
         _check_packer(source)
+    if endpoint is not None and endpoint.startswith("ipc://") and _ipc_in_use(endpoint[6:]):
+        raise InvalidInput(f"endpoint {endpoint} is in use: another service listens there")
+    own = socket_dir is None or not os.path.isdir(socket_dir)  # made here: removed at stop
     socket_dir = socket_dir or tempfile.mkdtemp(prefix="entrain-")
     os.makedirs(socket_dir, exist_ok=True)
     endpoint = endpoint or f"ipc://{socket_dir}/service.sock"
@@ -203,6 +207,7 @@ def make_config(
         plan_json=plan_json,
         endpoint=endpoint,
         worker_endpoint=f"ipc://{socket_dir}/workers.sock",
+        own_dir=socket_dir if own else None,
         source=source,
         workers=workers,
         seed=seed,
@@ -221,22 +226,32 @@ def make_config(
     )
 
 
-def _ipc_dir(cfg: ServiceConfig) -> str | None:
-    ep = cfg.worker_endpoint
-    return os.path.dirname(ep[len("ipc://") :]) if ep.startswith("ipc://") else None
+def _ipc_in_use(path: str) -> bool:
+    """Whether a process listens on the ipc socket file ``path`` (binding over it would take
+    the path from that service, and its stop would then unlink ours)."""
+    if not os.path.exists(path):
+        return False
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+        return True
+    except OSError:  # refused: a stale file of a service that is gone
+        return False
+    finally:
+        probe.close()
 
 
 def remove_ipc(cfg: ServiceConfig) -> None:
-    """Unlink the service's ipc sockets and remove the temp dirs it made for them."""
+    """Unlink the service's ipc sockets, and remove the folder it made for them (only that:
+    a user's ``--endpoint`` or ``socket_dir`` folder holds their own files)."""
     for ep in (cfg.endpoint, cfg.worker_endpoint):
         if ep.startswith("ipc://"):
             path = ep[len("ipc://") :]
             if os.path.exists(path):
                 os.unlink(path)
-    for ep in (cfg.endpoint, cfg.worker_endpoint):  # a user's --endpoint leaves the workers' dir
-        d = os.path.dirname(ep[len("ipc://") :]) if ep.startswith("ipc://") else None
-        if d and os.path.basename(d).startswith("entrain-") and os.path.isdir(d):
-            shutil.rmtree(d, ignore_errors=True)
+    if cfg.own_dir and os.path.isdir(cfg.own_dir):
+        shutil.rmtree(cfg.own_dir, ignore_errors=True)
 
 
 def serve_foreground(
