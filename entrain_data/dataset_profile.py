@@ -62,7 +62,7 @@ def _sizes_record(i: int, s: Mapping[str, Any], name: str) -> SampleMeta:
     t = s["text_tokens"]
     if isinstance(t, bool) or not isinstance(t, (int, float, np.integer, np.floating)):
         raise InvalidInput(f"sizes_fn({i}): text_tokens must be a whole number, got {t!r}")
-    if t != int(t):
+    if not math.isfinite(t) or t != int(t):
         raise InvalidInput(f"sizes_fn({i}): text_tokens must be a whole number, got {t!r}")
     imgs, auds = s.get("images"), s.get("audio_seconds")
     imgs, auds = (() if imgs is None else imgs), (() if auds is None else auds)

@@ -11,6 +11,7 @@ same fields instead of a preset name.
 from __future__ import annotations
 
 import json
+import numbers
 from dataclasses import asdict, dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
@@ -145,7 +146,10 @@ class ModuleConfig:
             )
         for f in ("audio_conv_stride", "audio_pool"):  # divisors of the frame count
             v = getattr(self, f)
-            if self.kind == "audio" and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            whole = (
+                not isinstance(v, bool) and isinstance(v, numbers.Real) and float(v).is_integer()
+            )
+            if self.kind == "audio" and (not whole or v < 1):
                 raise InvalidInput(f"module {self.name!r}: field {f!r} must be a whole number >= 1")
         if self.projector not in PROJECTORS:
             raise InvalidInput(

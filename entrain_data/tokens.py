@@ -200,7 +200,9 @@ def audio_seconds_grid(seconds: Any) -> np.ndarray:
     """Durations on a microsecond grid, as float64. An index stores them as float32: 3,200
     samples at 16 kHz read back as 0.20000000298 s, one mel frame and one LLM token past the
     clip's 20 frames. A microsecond is below one sample at any audio rate, so no real
-    boundary moves."""
+    boundary moves. This mends clips up to about 16 s (float32's error stays under half a
+    microsecond); a longer one can still count one frame past its samples, computed on
+    padding. The cost model and the packer count through this same function either way."""
     return np.round(np.asarray(seconds, dtype=np.float64), 6)
 
 

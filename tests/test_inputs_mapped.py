@@ -143,9 +143,11 @@ def test_dataset_items_that_fail_are_named_and_skipped():
     skip = DatasetSource(_Items(), None, on_error="skip").make_packer()
     packed = skip([0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5])
     assert packed.llm_keys == ["0", "1", "3", "5"] and packed.encoder_keys == packed.llm_keys
-    assert [s["key"] for s in packed.skipped] == ["4", "2"]
-    assert "dataset[2]" in packed.skipped[1]["error"] and "pixels" in packed.skipped[1]["error"]
+    assert [s["key"] for s in packed.skipped] == ["2", "4"]
+    assert "dataset[2]" in packed.skipped[0]["error"] and "pixels" in packed.skipped[0]["error"]
     assert packed.tensors["ids"].shape == (4, 3)
+    # the same decision for item 2 alone (its encoder set) as beside the others (its LLM set)
+    assert skip([2], []).skipped[0]["key"] == "2" and skip([], [2]).llm_keys == []
     strict = DatasetSource(_Items(), None, on_error="raise").make_packer()
     with pytest.raises(SampleError, match=r"dataset\[2\]") as err:
         strict([0, 1, 2], [0, 1, 2])
@@ -163,6 +165,7 @@ def test_sizes_fn_values_are_checked_and_named():
     for bad, why in (
         ({"text_tokens": 5.9}, "whole number"),
         ({"text_tokens": True}, "whole number"),
+        ({"text_tokens": float("nan")}, "whole number"),
         ({"text_tokens": 5, "audio_seconds": 3.0}, "audio_seconds must be a list"),
         ({"text_tokens": 5, "images": [(0, 640)]}, "sizes must be >= 1"),
     ):
@@ -191,7 +194,7 @@ def test_plan_names_a_batch_too_small_for_its_microbatches():
         make_plan(t, model, Cluster(8), 8, dp=8, microbatches=2)
 
 
-@pytest.mark.parametrize("orientation", [3, 6, 8])
+@pytest.mark.parametrize("orientation", [2, 3, 5, 6, 7, 8])
 def test_exif_rotated_photos_are_indexed_and_decoded_as_displayed(tmp_path, orientation):
     """Sizes and pixels as ``transformers``' ``load_image`` gives them (EXIF applied)."""
     load_image = pytest.importorskip("transformers.image_utils").load_image
@@ -208,3 +211,19 @@ def test_exif_rotated_photos_are_indexed_and_decoded_as_displayed(tmp_path, orie
     assert (rec.images[0].height, rec.images[0].width) == want.shape[:2]
     np.testing.assert_array_equal(decode.decode_image(data), want)
     assert decode.decode_image(data, want.shape[:2], draft=True).shape == want.shape
+
+
+def test_a_stray_field_in_one_record_does_not_remap_the_file(tmp_path):
+    """One record with ``messages`` in a file of ``conversations``: the text is still read
+    from ``conversations`` (the field most records hold)."""
+    conv = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]
+    recs = [{"conversations": conv}] * 3 + [{"messages": conv}]
+    (tmp_path / "llava.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    t = build_index(str(tmp_path / "llava.jsonl"), on_error="skip", progress=False)
+    assert t.column_map["text"] == "conversations" and len(t) == 3
+
+
+def test_a_class_label_beside_a_caption_json_keeps_the_caption():
+    meta = json.dumps({"caption": "a dog"}).encode()
+    segs = decode.text_segments({"cls": b"7", "json": meta})
+    assert "a dog" in "".join(s.text for s in segs)

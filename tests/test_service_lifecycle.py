@@ -57,6 +57,11 @@ def test_an_endpoint_a_live_service_listens_on_is_refused(tmp_path, dataset):  #
     finally:
         svc.close()
     start(tmp_path, dataset, make_plan(), endpoint=ep).close()  # free again once it stopped
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")  # a bind would have replaced the user's file with a socket
+    with pytest.raises(InvalidInput, match="exists and is not a socket"):
+        start(tmp_path, dataset, make_plan(), endpoint=f"ipc://{notes}").close()
+    assert notes.read_text() == "mine"
 
 
 def test_ranks_that_stop_after_exactly_their_microbatches_end_the_service(tmp_path, dataset):  # noqa: F811
@@ -71,16 +76,26 @@ def test_ranks_that_stop_after_exactly_their_microbatches_end_the_service(tmp_pa
 
 
 def test_a_long_tmpdir_serves_the_rank_instead_of_failing(tmp_path, dataset, monkeypatch):  # noqa: F811
-    """A socket path is at most 107 bytes; a Kubernetes emptyDir TMPDIR is about 95."""
+    """A socket path is at most 107 bytes; a Kubernetes emptyDir TMPDIR is about 95. Both the
+    service's own sockets and the rank's data socket were bound there and failed."""
+    from entrain_data.workers.sample_source import CustomSource
+    from entrain_data.workers.service import start_service
+    from test_service import IndexKeys, TarTextPacker, TextCosts
+
     long = tmp_path / ("d" * 60) / ("e" * 60)
     long.mkdir(parents=True)
-    svc = start(tmp_path, dataset, make_plan())
     monkeypatch.setattr(tempfile, "tempdir", str(long))
+    source = CustomSource(
+        TarTextPacker(str(dataset), "raise", -1, str(tmp_path / "died")),
+        TextCosts(str(dataset)),
+        IndexKeys(str(dataset)),
+    )
+    svc = start_service(plan=make_plan(), source=source, workers=1)  # its sockets: a temp dir
     try:
         _take_exactly(svc, [0, 1], 2)
     finally:
         svc.close()
-    assert not list(long.iterdir())  # no rank folder left behind
+    assert not list(long.iterdir())  # no service or rank folder left behind
 
 
 def test_worker_restarts_count_over_a_window_not_the_whole_run():

@@ -4,7 +4,8 @@ Public API (stable; used by the index builder and the packer):
 
 - ``member_kind(ext) -> "image" | "audio" | "video" | "text" | None`` from a member's extension
   (``jpg``, ``0.png``, ``mp4``, ``txt``, ``txt.gz``, ``json`` ...); a ``.gz`` suffix is decompressed.
-- ``image_size(data) -> (height, width)``: from the header only (PIL opens lazily).
+- ``image_size(data) -> (height, width)``: from the header only (PIL opens lazily), as displayed
+  (the EXIF orientation in the header applied, as ``transformers``' ``load_image`` does).
 - ``decode_image(data, size=None, draft=False) -> uint8 [H, W, 3]``: RGB (transparency composited
   onto white, as the ``transformers`` processors do), resized with PIL's bicubic filter to
   ``size`` = (H, W). ``draft=True`` lets JPEGs that shrink decode in PIL's draft mode (DCT
@@ -41,7 +42,7 @@ from typing import Any
 
 import numpy as np
 import soundfile as sf
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, UnidentifiedImageError
 
 from entrain_data.workloads import VIDEO_FPS, VIDEO_MAX_FRAMES, VIDEO_MIN_FRAMES
 
@@ -68,6 +69,7 @@ IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm", 
 AUDIO_EXTS = ("wav", "flac", "mp3", "ogg", "opus")
 VIDEO_EXTS = ("mp4", "avi", "mkv", "webm", "mov", "m4v", "mpeg", "mpg")
 TEXT_EXTS = ("txt", "text", "caption", "json", "cls")
+_CAPTION_EXTS = ("txt", "text", "caption")  # beside them a metadata .json is not text (a .cls is)
 _ASSISTANT_ROLES = ("gpt", "assistant", "model", "bot")
 
 Image.MAX_IMAGE_PIXELS = 1 << 28  # real document scans exceed PIL's default bomb guard
@@ -113,12 +115,28 @@ def member_payload(ext: str, data: bytes) -> bytes:
 
 
 _TRANSPOSED = (5, 6, 7, 8)  # EXIF orientations that turn the stored image by 90 degrees
+_TURNS = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
 
 
 def _orientation(im: Image.Image) -> int:
-    """The EXIF orientation tag (1 where there is none or it does not parse)."""
+    """The EXIF orientation tag (1 where there is none or it does not parse), from the EXIF
+    block the header holds (JPEG APP1, a PNG eXIf chunk before the pixels, WebP): never
+    ``im.getexif()``, which decodes a whole PNG to look for a block after its pixels."""
+    raw = im.info.get("exif")
+    if not raw:
+        return 1
     try:
-        return int(im.getexif().get(0x0112, 1))
+        exif = Image.Exif()
+        exif.load(raw)
+        return int(exif.get(0x0112, 1))
     except Exception:  # a truncated or malformed EXIF block: the image as stored
         return 1
 
@@ -165,8 +183,8 @@ def decode_image(
             if draft and size is not None and im.format == "JPEG":
                 # DCT-domain downscale to at least the target: big pages decode several times faster
                 im.draft("RGB", tuple(size) if turn in _TRANSPOSED else (size[1], size[0]))
-            if turn != 1:
-                im = ImageOps.exif_transpose(im)
+            if turn in _TURNS:  # as ImageOps.exif_transpose, from the same block as the index
+                im = im.transpose(_TURNS[turn])
             im = _to_rgb(im)
             if size is not None and (im.height, im.width) != tuple(size):
                 im = im.resize((int(size[1]), int(size[0])), Image.BICUBIC)
@@ -372,7 +390,7 @@ def text_segments(members: Mapping[str, bytes]) -> list[TextSegment]:
     texts = sorted(e for e in members if member_kind(e) == "text")
     if not texts:
         raise ValueError("sample has no text member (txt/json)")
-    has_txt = any(_base_ext(e) != "json" for e in texts)
+    has_txt = any(_base_ext(e) in _CAPTION_EXTS for e in texts)
     segs: list[TextSegment] = []
     for ext in sorted(texts, key=lambda e: (_base_ext(e) != "json", e)):
         raw = member_payload(ext, members[ext])

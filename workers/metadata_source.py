@@ -31,6 +31,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -168,23 +169,30 @@ def resolve_columns(
             f"{path}: unknown role {unknown[0]!r} in the column mapping (roles: text, key, "
             "media, image, audio, video)"
         )
-    fields: dict[str, None] = {}  # every record's fields, in order of first appearance
+    fields: Counter[str] = Counter()  # in how many records each field appears
     for _line, _o, obj in records:
         if isinstance(obj, Mapping):
-            fields.update(dict.fromkeys(obj))
+            fields.update(obj.keys())
+
+    def most_common(names: Sequence[str]) -> str | None:
+        """The name most records hold (ties: the first of ``names``): one stray record with
+        ``messages`` in a file of ``conversations`` does not re-map the file."""
+        found = [f for f in names if fields[f]]
+        return max(found, key=lambda f: fields[f]) if found else None
+
     if "text" not in cols:
-        found = [f for f in _TEXT_FIELDS if f in fields]
-        if not found:
+        text = most_common(_TEXT_FIELDS)
+        if text is None:
             raise InvalidInput(
                 f"{path}: no record has a text field ({', '.join(_TEXT_FIELDS)}); map one "
                 "with --column text=FIELD"
             )
-        cols["text"] = found[0]
+        cols["text"] = text
     if not set(cols) & set(_MEDIA_FIELDS):
         for role, names in _MEDIA_FIELDS.items():
-            found = [f for f in names if f in fields]
-            if found:
-                cols[role] = found[0]
+            name = most_common(names)
+            if name is not None:
+                cols[role] = name
     for role, name in cols.items():
         if name not in fields:
             raise InvalidInput(f"{path}: field {name!r} (for {role!r}) is in no record")

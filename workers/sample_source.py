@@ -135,9 +135,9 @@ class DatasetSource:
     ``collate_fn`` (default: torch's ``default_collate``) into a dict of tensors;
     when the encoder set differs (deferral), its collated tensors follow under
     ``encoder/<name>``. Dataset, collate and cost function must be picklable (spawn).
-    A sample whose ``dataset[i]`` raises, or that the collate cannot join to the others
-    (its fields differ from theirs), is a ``SampleError`` naming ``dataset[i]``; under
-    ``on_error="skip"`` it is left out of both sets and listed, as an index's bad samples are.
+    A sample whose ``dataset[i]`` raises, or (default collate) whose fields differ from
+    ``dataset[0]``'s, is a ``SampleError`` naming ``dataset[i]``; under ``on_error="skip"`` it
+    is left out of both sets and listed, as an index's bad samples are.
     """
 
     dataset: Any
@@ -160,29 +160,35 @@ class DatasetSource:
         return _DatasetPacker(self.dataset, self.collate_fn, self.on_error)
 
 
-def _odd_items(items: dict[int, Any]) -> list[int]:
-    """The rows whose item's fields differ from the most common field set (dict items only;
-    on a tie the larger set): what makes ``default_collate`` fail with a bare ``KeyError``."""
-    if not items or not all(isinstance(v, Mapping) for v in items.values()):
-        return []
-    sets = [frozenset(v) for v in items.values()]
-    common = max(set(sets), key=lambda k: (sets.count(k), len(k), sorted(map(str, k))))
-    return [i for i, k in zip(items, sets, strict=True) if k != common]
-
-
 class _DatasetPacker:
+    """Items loaded one by one (a failing ``dataset[i]`` is named); with the default collate,
+    which joins dict items field by field, an item whose fields differ from ``dataset[0]``'s
+    is named too: the same decision for a sample in every microbatch that holds it (its
+    encoder set and its LLM set), whatever else is there. A custom collate decides itself;
+    where it fails, the error names the microbatch's rows."""
+
     def __init__(
         self, dataset: Any, collate_fn: Callable[[list[Any]], Any] | None, on_error: str = "skip"
     ) -> None:
-        if collate_fn is None:
-            from torch.utils.data import default_collate
+        from torch.utils.data import default_collate
 
-            collate_fn = default_collate
         if on_error not in ("raise", "skip"):
             from entrain_data.errors import InvalidInput
 
             raise InvalidInput(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-        self.dataset, self.collate, self.on_error = dataset, collate_fn, on_error
+        self.dataset, self.on_error = dataset, on_error
+        self.collate = collate_fn or default_collate
+        self._fields: frozenset | None = None if collate_fn is None else frozenset()
+
+    def _reference(self) -> frozenset | None:
+        """``dataset[0]``'s fields (wrap checked that sample), or None (no check)."""
+        if self._fields is None:
+            try:
+                first = self.dataset[0]
+                self._fields = frozenset(first) if isinstance(first, Mapping) else frozenset()
+            except Exception:  # named where it is packed, if ever
+                self._fields = frozenset()
+        return self._fields or None
 
     def _bad(self, row: int, why: str, skipped: list[dict[str, str]]) -> None:
         """Raise a SampleError naming ``dataset[row]``, or (skip) list it."""
@@ -199,7 +205,16 @@ class _DatasetPacker:
     ) -> dict[str, np.ndarray]:
         if not rows:
             return {}
-        batch = self.collate([items[i] for i in rows])
+        try:
+            batch = self.collate([items[i] for i in rows])
+        except Exception as exc:
+            from entrain_data.errors import SampleError
+
+            raise SampleError(
+                f"collate_fn failed on dataset{rows[:8]}: {type(exc).__name__}: {exc}",
+                source="dataset",
+                key=str(rows[0]),
+            ) from exc
         if not isinstance(batch, dict):
             raise TypeError(f"collate_fn must return a dict of tensors, got {type(batch).__name__}")
         out = {}
@@ -208,41 +223,28 @@ class _DatasetPacker:
             out[prefix + str(name)] = arr
         return out
 
-    def _pack(self, encoder_rows: list[int], llm_rows: list[int], items: dict[int, Any]) -> Packed:
-        enc = [i for i in encoder_rows if i in items]
-        llm = [i for i in llm_rows if i in items]
-        tensors = self._collate(llm, items, "")
-        if sorted(enc) != sorted(llm):
-            tensors.update(self._collate(enc, items, "encoder/"))
-        return Packed([str(i) for i in enc], [str(i) for i in llm], tensors)
-
     def __call__(self, encoder_rows: list[int], llm_rows: list[int]) -> Packed:
         skipped: list[dict[str, str]] = []
         items: dict[int, Any] = {}
         for i in dict.fromkeys([*encoder_rows, *llm_rows]):
             try:
-                items[i] = self.dataset[i]
+                item = self.dataset[i]
             except Exception as exc:  # the user's __getitem__: name the sample
                 self._bad(i, f"{type(exc).__name__}: {exc}", skipped)
-        try:
-            packed = self._pack(encoder_rows, llm_rows, items)
-        except Exception as exc:  # the collate: a sample unlike the others, else the whole set
-            odd = _odd_items(items)
-            if not odd:
-                from entrain_data.errors import SampleError
-
-                rows = list(items)
-                raise SampleError(
-                    f"collate_fn failed on dataset{rows[:8]}: {type(exc).__name__}: {exc}",
-                    source="dataset",
-                    key=str(rows[0]) if rows else None,
-                ) from exc
-            for i in odd:
-                keys = sorted(map(str, items.pop(i)))
-                self._bad(i, f"collate failed ({exc!r}): its fields {keys} differ", skipped)
-            packed = self._pack(encoder_rows, llm_rows, items)
-        packed.skipped.extend(skipped)
-        return packed
+                continue
+            ref = self._reference()
+            if ref is not None and isinstance(item, Mapping) and frozenset(item) != ref:
+                got = sorted(map(str, item))
+                self._bad(i, f"fields {got} differ from dataset[0]'s {sorted(map(str, ref))}",
+                          skipped)  # fmt: skip
+                continue
+            items[i] = item
+        enc = [i for i in encoder_rows if i in items]
+        llm = [i for i in llm_rows if i in items]
+        tensors = self._collate(llm, items, "")
+        if sorted(enc) != sorted(llm):
+            tensors.update(self._collate(enc, items, "encoder/"))
+        return Packed([str(i) for i in enc], [str(i) for i in llm], tensors, skipped=skipped)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import tempfile
 import weakref
 from pathlib import Path
@@ -191,10 +192,14 @@ def make_config(
         raise InvalidInput("give an index, a source, or both packer_factory and table_costs")
     if check_packer:
         _check_packer(source)
-    if endpoint is not None and endpoint.startswith("ipc://") and _ipc_in_use(endpoint[6:]):
-        raise InvalidInput(f"endpoint {endpoint} is in use: another service listens there")
     own = socket_dir is None or not os.path.isdir(socket_dir)  # made here: removed at stop
-    socket_dir = socket_dir or tempfile.mkdtemp(prefix="entrain-")
+    socket_dir = socket_dir or _socket_dir()
+    for ep in (endpoint or f"ipc://{socket_dir}/service.sock", f"ipc://{socket_dir}/workers.sock"):
+        taken = _ipc_taken(ep[6:]) if ep.startswith("ipc://") else None
+        if taken:
+            if own and socket_dir and os.path.isdir(socket_dir) and not os.listdir(socket_dir):
+                os.rmdir(socket_dir)
+            raise InvalidInput(f"endpoint {ep}: {taken}")
     os.makedirs(socket_dir, exist_ok=True)
     endpoint = endpoint or f"ipc://{socket_dir}/service.sock"
     if endpoint.startswith("tcp://") and curve_secret_key is None:
@@ -226,18 +231,36 @@ def make_config(
     )
 
 
-def _ipc_in_use(path: str) -> bool:
-    """Whether a process listens on the ipc socket file ``path`` (binding over it would take
-    the path from that service, and its stop would then unlink ours)."""
-    if not os.path.exists(path):
-        return False
+_IPC_MAX = 100  # bytes of a socket path, under the 107 of sockaddr_un with room to spare
+
+
+def _socket_dir() -> str:
+    """A new folder for the service's ipc sockets: in the temp dir, or in /tmp where the temp
+    dir's path is too long for a socket (a Kubernetes emptyDir ``TMPDIR``)."""
+    d = tempfile.mkdtemp(prefix="entrain-")
+    if len(f"{d}/workers.sock".encode()) > _IPC_MAX and os.path.isdir("/tmp"):
+        os.rmdir(d)
+        d = tempfile.mkdtemp(prefix="entrain-", dir="/tmp")
+    return d
+
+
+def _ipc_taken(path: str) -> str | None:
+    """Why the ipc socket file ``path`` cannot be bound, or None: another process listens on
+    it (binding over it would take the path from that service, whose stop would then unlink
+    ours), or it is a file of the user's (a bind would replace it)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISSOCK(mode):
+        return "the path exists and is not a socket"
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.settimeout(1.0)
         probe.connect(path)
-        return True
+        return "is in use: another service listens there"
     except OSError:  # refused: a stale file of a service that is gone
-        return False
+        return None
     finally:
         probe.close()
 

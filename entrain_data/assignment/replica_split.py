@@ -220,16 +220,25 @@ def fit_caps(members: np.ndarray, x: Inputs, w: np.ndarray) -> np.ndarray:
             if ok[o] or not swapped:
                 break  # packs now, or no swap helps
     if not ok.all():  # swaps keep the counts; some batches need a replica to hold fewer
-        members = _move_to_fit(members, size, ok, m)
+        groups = [slice(0, 1), slice(1, None)] if x.max_tokens is not None else [slice(0, None)]
+        members = _move_to_fit(members, size, m, [g for g in groups if size[:, g].shape[1]])
     return members
 
 
-def _move_to_fit(members: np.ndarray, size: np.ndarray, ok: np.ndarray, m: int) -> np.ndarray:
-    """Move samples of replicas that still do not pack, largest first, to the least-loaded
-    replicas that pack with them (a pad slot taken, or one more column of pads): a token cap
-    of 10 over samples of 10, 1, 1, 1 tokens on 2 replicas of one microbatch packs only as
-    {10}, {1, 1, 1}. A replica keeps at least ``m`` samples (no empty set). Where no move
-    helps, the set builder names the sample that cannot be packed."""
+def _move_to_fit(members: np.ndarray, size: np.ndarray, m: int, groups: list[slice]) -> np.ndarray:
+    """Move samples of replicas whose sets cannot hold them, largest first, to the
+    least-loaded replicas that still can (a pad slot taken, or one more column of pads): a
+    token cap of 10 over samples of 10, 1, 1, 1 tokens on 2 replicas of one microbatch packs
+    only as {10}, {1, 1, 1}. Each resource group (``groups``: the tokens, which fill L sets,
+    and the patches, which fill E sets) is packed on its own, as the sets take them; a replica
+    whose groups each pack stays as it is. A replica keeps at least ``m`` samples (no empty
+    set). Where no move helps, the set builder names the sample that cannot be packed."""
+
+    def fits(rows: np.ndarray) -> np.ndarray:
+        sub = size[members[rows]]
+        return np.logical_and.reduce([_packs(sub[..., g], m) for g in groups])
+
+    ok = fits(np.arange(members.shape[0]))
     for o in np.flatnonzero(~ok):
         while not ok[o] and (members[o] >= 0).sum() > m:
             mine = np.where(members[o] >= 0, size[members[o]].max(axis=1), -np.inf)
@@ -242,12 +251,12 @@ def _move_to_fit(members: np.ndarray, size: np.ndarray, ok: np.ndarray, m: int) 
                         members = np.pad(members, ((0, 0), (0, 1)), constant_values=-1)
                     b = int(np.argmax(members[u] < 0))
                     members[u, b], members[o, a] = members[o, a], -1
-                    if _packs(size[members[u : u + 1]], m)[0]:
+                    if fits(np.array([u]))[0]:
                         moved = True
                         break
                     members[o, a], members[u, b] = members[u, b], -1  # undo: u would not pack
                 if moved:
-                    ok[o] = bool(_packs(size[members[o : o + 1]], m)[0])
+                    ok[o] = bool(fits(np.array([o]))[0])
                     break
             if not moved:
                 break
