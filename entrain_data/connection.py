@@ -151,7 +151,7 @@ class Connection:
         A socket path is at most 107 bytes: under a long ``TMPDIR`` (a Kubernetes emptyDir)
         the dir is made in ``/tmp`` instead, and where no bind works the rank takes its
         microbatches through the coordinator (None: no direct route offered)."""
-        for root in dict.fromkeys([None, "/tmp"]):
+        for root in dict.fromkeys([tempfile.gettempdir(), "/tmp"]):  # once each
             try:
                 self.data_dir = tempfile.mkdtemp(prefix="entrain-rank-", dir=root)
                 token = secrets.token_hex(16)
