@@ -60,9 +60,8 @@ def _vision_item(i: int, item: Any) -> VisionItem:
 def _sizes_record(i: int, s: Mapping[str, Any], name: str) -> SampleMeta:
     """One ``sizes_fn(i)`` mapping as a record; ``None`` images or audio mean none."""
     t = s["text_tokens"]
-    if isinstance(t, bool) or not isinstance(t, (int, float, np.integer, np.floating)):
-        raise InvalidInput(f"sizes_fn({i}): text_tokens must be a whole number, got {t!r}")
-    if not math.isfinite(t) or t != int(t):
+    number = not isinstance(t, bool) and isinstance(t, (int, float, np.integer, np.floating))
+    if not (number and math.isfinite(t) and t == int(t)):
         raise InvalidInput(f"sizes_fn({i}): text_tokens must be a whole number, got {t!r}")
     imgs, auds = s.get("images"), s.get("audio_seconds")
     imgs, auds = (() if imgs is None else imgs), (() if auds is None else auds)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Protocol
 
 import numpy as np
@@ -178,17 +179,18 @@ class _DatasetPacker:
             raise InvalidInput(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         self.dataset, self.on_error = dataset, on_error
         self.collate = collate_fn or default_collate
-        self._fields: frozenset | None = None if collate_fn is None else frozenset()
+        self._check_fields = collate_fn is None
 
+    @cached_property
     def _reference(self) -> frozenset | None:
-        """``dataset[0]``'s fields (wrap checked that sample), or None (no check)."""
-        if self._fields is None:
-            try:
-                first = self.dataset[0]
-                self._fields = frozenset(first) if isinstance(first, Mapping) else frozenset()
-            except Exception:  # named where it is packed, if ever
-                self._fields = frozenset()
-        return self._fields or None
+        """``dataset[0]``'s fields (wrap checked that sample), or None: no check."""
+        if not self._check_fields:
+            return None
+        try:
+            first = self.dataset[0]
+        except Exception:  # named where it is packed, if ever
+            return None
+        return frozenset(first) if isinstance(first, Mapping) and first else None
 
     def _bad(self, row: int, why: str, skipped: list[dict[str, str]]) -> None:
         """Raise a SampleError naming ``dataset[row]``, or (skip) list it."""
@@ -232,7 +234,7 @@ class _DatasetPacker:
             except Exception as exc:  # the user's __getitem__: name the sample
                 self._bad(i, f"{type(exc).__name__}: {exc}", skipped)
                 continue
-            ref = self._reference()
+            ref = self._reference
             if ref is not None and isinstance(item, Mapping) and frozenset(item) != ref:
                 got = sorted(map(str, item))
                 self._bad(i, f"fields {got} differ from dataset[0]'s {sorted(map(str, ref))}",

@@ -193,13 +193,14 @@ def make_config(
     if check_packer:
         _check_packer(source)
     own = socket_dir is None or not os.path.isdir(socket_dir)  # made here: removed at stop
-    socket_dir = socket_dir or _socket_dir()
-    for ep in (endpoint or f"ipc://{socket_dir}/service.sock", f"ipc://{socket_dir}/workers.sock"):
+    eps = [endpoint] if endpoint else []
+    if not own:  # a folder that exists may hold a live service's sockets
+        eps += [f"ipc://{socket_dir}/service.sock", f"ipc://{socket_dir}/workers.sock"]
+    for ep in eps:
         taken = _ipc_taken(ep[6:]) if ep.startswith("ipc://") else None
         if taken:
-            if own and socket_dir and os.path.isdir(socket_dir) and not os.listdir(socket_dir):
-                os.rmdir(socket_dir)
             raise InvalidInput(f"endpoint {ep}: {taken}")
+    socket_dir = socket_dir or _socket_dir()
     os.makedirs(socket_dir, exist_ok=True)
     endpoint = endpoint or f"ipc://{socket_dir}/service.sock"
     if endpoint.startswith("tcp://") and curve_secret_key is None:
