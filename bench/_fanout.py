@@ -270,12 +270,8 @@ class _RankMicrobatches:
         from entrain_data.plan import ParallelPlan
 
         plan = ParallelPlan.from_json(plan_json)
-        enc, llm, tok = IndexSource(index, plan_json).costs()
-        sch = Scheduler(
-            enc, llm, tok, dp=plan.dp, microbatches=plan.microbatches,
-            global_batch=plan.global_batch, max_tokens=plan.max_tokens,
-            defer_budget=plan.defer_budget, method=plan.method, seed=0,
-        )  # fmt: skip
+        src = IndexSource(index, plan_json)
+        sch = Scheduler.for_plan(plan, src.costs(), seed=0, source=src)  # the service's schedule
         self.slots = [
             sch.slots(0, it)[rank][mb]
             for it in range(sch.shape.iterations)

@@ -15,7 +15,6 @@ import logging
 import os
 import secrets
 import shutil
-import socket
 import tempfile
 import time
 import warnings
@@ -28,12 +27,14 @@ from . import protocol
 from .errors import (
     EntrainError,
     EntrainTimeout,
+    InvalidInput,
     ProtocolError,
     WorkerDied,
     error_fields,
     error_from_fields,
 )
 from .shared_batch import SegmentReader
+from .tcp import HandshakeWatch, family_for, outward_address
 
 __all__ = ["Connection", "tensors_of"]
 
@@ -95,11 +96,14 @@ class Connection:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        family_for(self.sock, endpoint)
+        self.watch: HandshakeWatch | None = None  # a wrong key is told, not waited out
         if curve_server_key is not None:
             pub, sec = zmq.curve_keypair()
             self.sock.curve_serverkey = curve_server_key
             self.sock.curve_publickey = pub
             self.sock.curve_secretkey = sec
+            self.watch = HandshakeWatch(self.sock)
         self.sock.connect(endpoint)
         self.data: zmq.Socket | None = None
         self.tcp: zmq.Socket | None = None  # direct route from workers on other hosts
@@ -141,9 +145,13 @@ class Connection:
         first: dict[str, Any] = {"n": prefetch, "next": list(position)}
         if self.info.get("shm_dir") and self.segments.root is None:
             first["shm"] = False
-        if self.direct and self.info.get("remote_host"):  # workers on other hosts reach it too
-            first["tcp"] = self._open_tcp_socket(str(self.info["remote_host"]))
-        self._send("credit", first)
+        try:
+            if self.direct and self.info.get("remote_host"):  # workers on other hosts reach it
+                first["tcp"] = self._open_tcp_socket(str(self.info["remote_host"]))
+            self._send("credit", first)
+        except BaseException:  # leave no socket or directory behind
+            self.close()
+            raise
 
     def _open_data_socket(self) -> dict[str, str] | None:
         """Bind an ipc PULL socket in a private temp dir, with a token the service checks.
@@ -181,10 +189,20 @@ class Connection:
         self.tcp.setsockopt(zmq.LINGER, 0)
         self.tcp.curve_server = True
         self.tcp.curve_publickey, self.tcp.curve_secretkey = pub, sec
-        wildcard = host in ("*", "0.0.0.0", "")
-        port = self.tcp.bind_to_random_port("tcp://*" if wildcard else f"tcp://{host}")
-        shown = socket.gethostbyname(socket.gethostname()) if wildcard else host
-        return {"endpoint": f"tcp://{shown}:{port}", "key": pub.decode("ascii")}
+        wildcard = host in ("*", "0.0.0.0", "", "[::]")
+        where = "tcp://*" if wildcard else f"tcp://{host}"
+        family_for(self.tcp, where)
+        try:
+            port = self.tcp.bind_to_random_port(where)
+        except zmq.ZMQError as exc:
+            raise InvalidInput(
+                f"rank {self.rank}: cannot open a socket for remote workers on {host} "
+                f"(the service's remote endpoint's host): {exc.strerror}"
+            ) from None
+        if wildcard:  # the address other hosts reach: never this host's loopback
+            control = self.endpoint[len("tcp://") :].rsplit(":", 1)[0]
+            host = outward_address(control if self.endpoint.startswith("tcp://") else None)
+        return {"endpoint": f"tcp://{host}:{port}", "key": pub.decode("ascii")}
 
     def _close_data_socket(self) -> None:
         if self.tcp is not None:
@@ -229,6 +247,11 @@ class Connection:
                 break
             if self.service is not None and not self.service.alive():
                 self._service_gone(what)
+            if self.watch is not None and self.watch.refused():
+                raise InvalidInput(
+                    f"rank {self.rank}: the loader service at {self.endpoint} refused the "
+                    "encryption handshake: is curve_server_key its public key?"
+                )
             if time.monotonic() >= deadline:
                 return None
         sock = next(s for s in (self.sock, self.data, self.tcp) if s is not None and s in events)
@@ -350,6 +373,8 @@ class Connection:
                 sent = True
         except zmq.ZMQError:
             pass
+        if self.watch is not None:
+            self.watch.close()
         self.sock.close(linger=200 if sent else 0)  # long enough for the bye to leave
         self._close_data_socket()
         self.ctx.term()

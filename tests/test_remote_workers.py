@@ -18,6 +18,7 @@ from _dist import free_port
 from test_service import assert_exactly_once, close_all, make_index_plan, make_shards
 
 from entrain_data.client import EntrainLoader
+from entrain_data.errors import InvalidInput
 from entrain_data.metadata import read_index
 
 pytestmark = pytest.mark.timeout(240)
@@ -119,10 +120,15 @@ def test_a_remote_worker_without_the_key_or_with_another_index_is_not_let_in(tmp
     procs = [_worker(remote, index, plan, wrong_pub), _worker(remote, other, plan, pub)]
     ld = EntrainLoader(svc.endpoint, 0, timeout=90, curve_server_key=pub)
     try:
-        assert procs[1].wait(150) == 0, procs[1].stdout.read()  # refused: another index
-        time.sleep(1.0)
-        assert _remotes(ld) == []  # nobody joined: the keyless one cannot even connect
-        assert procs[0].poll() is None, procs[0].stdout.read()
+        for p in procs:  # both told why, exit 2: a join that hung or exited 0 said nothing
+            assert p.wait(150) == 2, p.stdout.read()
+        said = [p.stdout.read() for p in procs]
+        assert "refused the encryption handshake: is --curve-server-key" in said[0]
+        assert "the service refused it: its index" in said[1]
+        assert _remotes(ld) == []  # nobody joined
+        ld.close()
+        with pytest.raises(InvalidInput, match="refused the encryption handshake"):
+            EntrainLoader(svc.endpoint, 0, timeout=60, curve_server_key=wrong_pub).info  # noqa: B018
     finally:
         ld.close()
         svc.close()
@@ -130,3 +136,45 @@ def test_a_remote_worker_without_the_key_or_with_another_index_is_not_let_in(tmp
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
+
+
+@pytest.mark.slow
+def test_a_remote_worker_silent_for_a_while_rejoins_and_one_whose_service_died_exits(tmp_path):
+    """A worker dropped as silent (a long task, a network blip) was never taken back though it
+    kept sending heartbeats; a worker whose service was SIGKILLed ran on forever, silently."""
+    from entrain_data.workers.service import start_service
+
+    index = make_shards(tmp_path)
+    plan = make_index_plan().save(tmp_path / "plan.json")
+    pub, sec = zmq.curve_keypair()
+    remote = f"tcp://127.0.0.1:{free_port()}"
+    svc = start_service(
+        index=index, plan=plan, workers=1, curve_public_key=pub, curve_secret_key=sec,
+        remote_endpoint=remote, remote_timeout=2.0, socket_dir=str(tmp_path / "entrain-sock"),
+    )  # fmt: skip
+    proc = _worker(remote, index, plan, pub)
+    ld = EntrainLoader(svc.endpoint, 0, timeout=90, curve_server_key=pub)
+    try:
+        _wait_for(lambda: len(_remotes(ld)) == 1, proc)
+        os.kill(proc.pid, signal.SIGSTOP)  # silent past remote_timeout: dropped
+        _wait_for(lambda: not _remotes(ld), proc)
+        os.kill(proc.pid, signal.SIGCONT)
+        _wait_for(lambda: len(_remotes(ld)) == 1, proc)  # it speaks again: back
+        ld.close()
+        os.kill(svc.pid, signal.SIGKILL)
+        assert proc.wait(60) == 2  # twice remote_timeout without an answer
+        assert "no word from the service for 4s" in proc.stdout.read()
+    finally:
+        ld.close()
+        svc.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def _wait_for(condition, proc: subprocess.Popen, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting:\n{_said([proc])}")
+        time.sleep(0.2)

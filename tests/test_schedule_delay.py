@@ -67,6 +67,30 @@ def test_delayed_stream_is_a_pure_function_of_the_seed(costs):
             assert np.array_equal(x, y)
 
 
+def test_a_lagging_rank_costs_one_assignment_not_a_replay_of_its_epoch(costs):
+    """An iteration dropped from the cache was re-assigned from the epoch's start: a replica
+    14 iterations behind cost 14 assignments each time it asked (seconds at 8192 samples)."""
+    calls = []
+
+    def counted(*a, **kw):
+        calls.append(kw["iteration"])
+        return assign(*a, **kw)
+
+    enc, llm, tok = costs
+    s = Scheduler(
+        enc, llm, tok, dp=4, microbatches=4, global_batch=128, max_tokens=None,
+        defer_budget=None, method="entrain", seed=3, max_delay=2, cache=2, assign_fn=counted,
+    )  # fmt: skip
+    fresh = _scheduler(costs, 2)
+    for it in range(6):
+        s.slots(0, it)
+    calls.clear()
+    for it in (1, 4, 2):  # all dropped from the two-iteration cache
+        for x, y in zip(_iteration_rows(s, 0, it), _iteration_rows(fresh, 0, it)):
+            assert np.array_equal(x, y)  # the same stream as ever
+    assert calls == [1, 4, 2]
+
+
 def test_without_delay_every_sample_stays_in_its_iteration(costs):
     s = _scheduler(costs, max_delay=0)
     for it, rows in enumerate(s.batches(0)):

@@ -104,6 +104,7 @@ class TarTextPacker:
     on_error: str = "raise"
     die_on_task: int = -1  # worker exits hard on its n-th task (fault tests) ...
     die_marker: str = ""  # ... once: the first to die leaves this file
+    die_on_key: str = ""  # every worker that packs this sample exits hard (a poison sample)
 
     def __call__(self):
         return _TarTextPack(self)
@@ -130,6 +131,8 @@ class _TarTextPack:
         if self.count == self.spec.die_on_task and not os.path.exists(self.spec.die_marker):
             Path(self.spec.die_marker).touch()
             os._exit(9)
+        if self.spec.die_on_key in {str(self.table.keys[r]) for r in llm_rows}:
+            os._exit(11)  # as a decoder's segfault would
         skipped, texts = [], []
         for r in llm_rows:
             try:
@@ -160,8 +163,9 @@ def start(tmp_path: Path, index: Path, plan: ParallelPlan, **kw):
     on_error = kw.pop("on_error", "raise")
     die = kw.pop("die_on_task", -1)
     marker = kw.pop("die_marker", str(tmp_path / "died"))
+    poison = kw.pop("die_on_key", "")
     source = CustomSource(
-        TarTextPacker(str(index), on_error, die, marker),
+        TarTextPacker(str(index), on_error, die, marker, poison),
         TextCosts(str(index)),
         IndexKeys(str(index)),
     )

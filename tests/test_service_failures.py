@@ -219,6 +219,18 @@ def test_a_worker_dying_on_start_twice_is_a_configuration_error_not_a_restart_lo
         svc.close()
 
 
+@pytest.mark.slow  # three worker restarts
+def test_a_sample_that_kills_every_worker_stops_the_service_naming_it(tmp_path, dataset):
+    svc = start(tmp_path, dataset, make_plan(), die_on_key="s1-0005")
+    try:
+        with pytest.raises(WorkerDied, match=r"died each of the 3 times .*s1-0005") as info:
+            run_ranks(svc.endpoint, [0, 1], timeout=60)
+        assert "microbatch" in str(info.value) and "iteration" in str(info.value)
+        assert svc.wait(15) != 0
+    finally:
+        svc.close()
+
+
 # ------------------------------------------------------ background assignment (item 9)
 def slow_assign(*args, **kwargs):
     """The plan's method, one second slower per iteration (picklable: module level)."""

@@ -1,18 +1,29 @@
 """How a service starts and ends around its users: their folders kept, a live endpoint refused,
-ranks that stop after a fixed step count ending the run, a long ``TMPDIR`` served, and worker
-restarts counted over a window (each failed before the fix that came with it)."""
+ranks that stop after a fixed step count ending the run, a long ``TMPDIR`` served, a rank that
+says hello twice told at once, and worker restarts counted over a window (each failed before
+the fix that came with it)."""
 
 from __future__ import annotations
 
+import socket
 import tempfile
 import time
+from dataclasses import replace
 
 import pytest
 from entrain_data.workers.pool import WorkerPool
-from test_service import dataset, make_plan, start  # noqa: F401  (dataset: a fixture)
+from test_service import (  # noqa: F401  (dataset: a fixture)
+    assert_exactly_once,
+    close_all,
+    dataset,
+    make_plan,
+    run_ranks,
+    start,
+)
 
 from entrain_data.client import EntrainLoader
 from entrain_data.errors import InvalidInput
+from entrain_data.metadata import read_index
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -96,6 +107,67 @@ def test_a_long_tmpdir_serves_the_rank_instead_of_failing(tmp_path, dataset, mon
     finally:
         svc.close()
     assert not list(long.iterdir())  # no service or rank folder left behind
+
+
+def test_a_second_process_with_the_same_rank_is_told_at_once_which_one_is_dropped(
+    tmp_path,
+    dataset,  # noqa: F811
+):
+    """A second hello for a rank silently replaced the first connection, whose process then
+    waited out its timeout (or trained on half the data) with no word why."""
+    svc = start(tmp_path, dataset, make_plan())
+    first = EntrainLoader(svc.endpoint, 0, prefetch=2, timeout=30)
+    second = EntrainLoader(svc.endpoint, 0, prefetch=2, timeout=30)
+    try:
+        it = iter(first)
+        next(it)
+        assert next(iter(second)).iteration == 0  # the newer connection is served
+        with pytest.raises(InvalidInput, match="rank 0 said hello from another connection"):
+            for _ in range(12):  # what it holds already, then the error
+                next(it)
+    finally:
+        first.close()
+        second.close()
+        svc.close()
+
+
+def test_a_plan_whose_caps_the_index_cannot_meet_is_refused_at_start_naming_samples(
+    tmp_path,
+    dataset,  # noqa: F811
+):
+    """A plan made on another index served until the first global batch holding a sample over
+    its caps, then stopped naming that sample by its place in the batch."""
+    svc = start(tmp_path, dataset, replace(make_plan(), max_tokens=100))
+    try:
+        with pytest.raises(InvalidInput, match=r"24 sample\(s\) fit no .*s0-0001: 120 LLM tokens"):
+            next(iter(EntrainLoader(svc.endpoint, 0, timeout=30, _service=svc)))
+        assert svc.wait(15) != 0
+    finally:
+        svc.close()
+
+
+def _free_v6_port() -> int | None:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+            return int(s.getsockname()[1])
+    except OSError:
+        return None
+
+
+def test_an_ipv6_endpoint_is_served(tmp_path, dataset):  # noqa: F811
+    """``tcp://[::1]:P`` passed the endpoint check, then failed to bind ("No such device"):
+    ZeroMQ leaves IPv6 off unless a socket asks."""
+    port = _free_v6_port()
+    if port is None:
+        pytest.skip("this machine has no IPv6 loopback")
+    svc = start(tmp_path, dataset, make_plan(), endpoint=f"tcp://[::1]:{port}")
+    try:
+        out, loaders = run_ranks(svc.endpoint, [0, 1])
+        assert_exactly_once(out, list(read_index(dataset).keys))
+        close_all(loaders)
+    finally:
+        svc.close()
 
 
 def test_worker_restarts_count_over_a_window_not_the_whole_run():

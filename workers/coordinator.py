@@ -36,10 +36,16 @@ from .assign_ahead import AssignAhead
 from .config import ServiceConfig, State
 from .hello import check_hello, past_end
 from .pool import WorkerPool
-from .production import Production, RankState, reachable_data_endpoint, remote_host
-from .sample_source import encoder_stats
-from .schedule import Scheduler, data_fingerprint, digest, frozen_columns, plan_shares
+from .production import (
+    Production,
+    RankState,
+    poison_error,
+    reachable_data_endpoint,
+    remote_host,
+)
+from .schedule import Scheduler, data_fingerprint, digest
 from .skips import SkipRecord, parse_budget
+from .sockets import open_sockets
 from .stats import Counters, service_stats
 
 __all__ = ["State", "ServiceConfig", "Coordinator"]
@@ -61,32 +67,17 @@ class Coordinator:
         self.state = State.STARTING
         self.plan = ParallelPlan.from_json(cfg.plan_json)
         enc, llm, tokens = cfg.source.costs()
-        keys = cfg.source.keys()
+        self.keys = keys = cfg.source.keys()
         self.data_fingerprint = data_fingerprint(
             enc, llm, tokens, keys, seed=cfg.seed, global_batch=self.plan.global_batch
         )
         self.fingerprint = digest([self.plan.fingerprint(), self.data_fingerprint, cfg.epochs])
         lo, hi = cfg.ranks if cfg.ranks is not None else (0, self.plan.world_size - 1)
         self.served = range(lo, hi + 1)  # the ranks of this node (serve --ranks A-B)
-        self.scheduler = Scheduler(
-            enc,
-            llm,
-            tokens,
-            dp=self.plan.dp,
-            microbatches=self.plan.microbatches,
-            global_batch=self.plan.global_batch,
-            max_tokens=self.plan.max_tokens,
-            defer_budget=self.plan.defer_budget,
-            method=self.plan.method,
-            seed=cfg.seed,
-            assign_fn=cfg.assign_fn,
-            max_delay=self.plan.max_delay,
-            max_encoder_patches=self.plan.max_encoder_patches or None,
-            encoder_stats=encoder_stats(cfg.source),
-            frozen_encoders=frozen_columns(self.plan, enc),
-            pipeline_stages=self.plan.pp,
-            stage_shares=plan_shares(self.plan, enc),
+        self.scheduler = Scheduler.for_plan(
+            self.plan, (enc, llm, tokens), seed=cfg.seed, source=cfg.source, assign_fn=cfg.assign_fn
         )
+        self.scheduler.check_fits(keys)
         self.shape = self.scheduler.shape
         self.end_pos = cfg.epochs * self.shape.per_epoch
         self.record = SkipRecord(
@@ -128,20 +119,12 @@ class Coordinator:
             signal.signal(signal.SIGINT, self.request_stop)
             signal.signal(signal.SIGTERM, self.request_stop)
         ctx = zmq.Context()
-        front = ctx.socket(zmq.ROUTER)
-        back = ctx.socket(zmq.ROUTER)
-        for s in (front, back):
-            s.setsockopt(zmq.LINGER, 0)
-        front.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted client may reuse its identity
-        remote = ctx.socket(zmq.ROUTER) if self.cfg.remote_endpoint else None
-        socks = [front, back, remote]
-        binds = [self.cfg.endpoint, self.cfg.worker_endpoint, self.cfg.remote_endpoint]
-        for s in (front, remote):  # what crosses hosts is encrypted when keys are given
-            if s is not None and self.cfg.curve_secret_key:
-                s.setsockopt(zmq.LINGER, 0)
-                s.curve_server = True
-                s.curve_secretkey = self.cfg.curve_secret_key
-                s.curve_publickey = self.cfg.curve_public_key
+        try:
+            front, back, remote = open_sockets(ctx, self.cfg)
+        except BaseException:
+            ctx.term()
+            self.state = State.STOPPED
+            raise
         pool = WorkerPool(
             back,
             endpoint=self.cfg.worker_endpoint,
@@ -152,13 +135,6 @@ class Coordinator:
         pool.remote_timeout = self.cfg.remote_timeout
         self._pool_stats_fn = pool.stats
         try:
-            for sock, ep in zip(socks, binds):
-                try:
-                    if sock is not None:
-                        sock.bind(ep)
-                except zmq.ZMQError as exc:
-                    why = "address already in use" if exc.errno == zmq.EADDRINUSE else exc.strerror
-                    raise InvalidInput(f"cannot serve on {ep}: {why}") from None
             self.ahead = AssignAhead(self.scheduler)
             self.production.open_shared()  # this host's ranks read workers' segments
             pool.shared_dir = self.production.shared_dir
@@ -225,8 +201,12 @@ class Coordinator:
                 break  # a signal arrived: do not restart workers that it may have stopped
             lost = pool.reap()
             if lost:
-                self.production.lost(lost, self.ranks)
+                doomed = self.production.lost(lost, self.ranks)
                 self.counters.tasks_reissued += len(lost)
+                for key in doomed:  # assigned: ahead holds it
+                    self._fail(
+                        front, poison_error(key, self.shape, self.ahead.slot(*key), self.keys)
+                    )
             if pool.fatal is not None:
                 self._fail(front, pool.fatal)
             elif (n := pool.recent_restarts()) > self.cfg.max_restarts:
@@ -305,8 +285,11 @@ class Coordinator:
             return
         coords = self.plan.rank_coords(rank)
         old = self.ranks.get(rank)
-        if old is not None:
-            self.by_ident.pop(old.ident, None)
+        if old is not None and old.ident != ident and old.ident in self.by_ident:
+            del self.by_ident[old.ident]
+            why = f"rank {rank} said hello from another connection, which replaces this one"
+            log.warning("%s (a restarted process, or two processes with one rank?)", why)
+            self._reply(front, old.ident, "error", error_fields(InvalidInput(why)))
         stage = self.plan.stages[coords.stage]
         self.ranks[rank] = RankState(
             ident,
@@ -407,8 +390,11 @@ class Coordinator:
         except ProtocolError as exc:
             log.error("malformed message from worker %r: %s", ident, exc)
             return
-        pool.seen(ident)
-        if head.kind == "heartbeat":
+        pool.seen(ident, remote)
+        if head.kind == "heartbeat":  # answered: a remote worker stops when none come back
+            if remote is not None:
+                answer = {"silence": 2 * self.cfg.remote_timeout}  # as long as it waits, twice
+                remote.send_multipart([ident, *protocol.encode("heartbeat", answer)])
             return
         if head.kind == "ready" and remote is not None:
             pool.join_remote(remote, ident, head.header.get("source"))

@@ -28,6 +28,7 @@ import zmq
 
 from entrain_data import protocol
 from entrain_data.shared_batch import SegmentPool
+from entrain_data.tcp import family_for
 
 __all__ = ["FEATURE_TENSORS", "Deliverer"]
 
@@ -71,6 +72,7 @@ class Deliverer:
                 pub, sec = zmq.curve_keypair()
                 sock.curve_serverkey = server_key.encode("ascii")
                 sock.curve_publickey, sock.curve_secretkey = pub, sec
+            family_for(sock, endpoint)
             sock.connect(endpoint)
         self.socks[endpoint] = sock  # most recently used last
         while len(self.socks) > _MAX_SOCKETS:

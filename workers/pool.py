@@ -24,7 +24,7 @@ from typing import Any
 import zmq
 
 from entrain_data import protocol
-from entrain_data.errors import EntrainError, WorkerDied
+from entrain_data.errors import EntrainError, InvalidInput, WorkerDied, error_fields
 from entrain_data.shared_batch import remove_segments
 
 from .sample_source import SampleSource
@@ -83,6 +83,7 @@ class WorkerPool:
         self._deaths: list[float] = []  # when each restart happened (monotonic seconds)
         self.fatal: EntrainError | None = None
         self._start_failures: dict[int, int] = {}
+        self._joined: set[bytes] = set()  # remote workers whose index was checked
         self.remote_timeout = 30.0  # seconds without a word before a remote worker is dead
         self._source_id: str | None = None  # the source's identity, computed once
         self.shared_dir: str | None = None  # where workers keep segments for this host's ranks
@@ -113,10 +114,15 @@ class WorkerPool:
             s.ready = True
             self._start_failures.pop(s.index, None)
 
-    def seen(self, ident: bytes) -> None:
+    def seen(self, ident: bytes, remote: zmq.Socket | None = None) -> None:
+        """A message from ``ident``; a remote worker dropped as silent (a long task, a network
+        blip) that speaks again joins again: it was checked when it first joined."""
         s = self._slot(ident)
         if s is not None:
             s.last_seen = time.monotonic()
+        elif remote is not None and ident in self._joined:
+            log.warning("remote worker %s speaks again: rejoined", ident.decode(errors="replace"))
+            self.add_remote(ident, remote)
 
     def join_remote(self, sock: zmq.Socket, ident: bytes, source_id: Any) -> None:
         """A remote worker joins only if it packs the same samples (its index's content hash)."""
@@ -129,8 +135,10 @@ class WorkerPool:
                 source_id,
                 self._source_id,
             )
-            sock.send_multipart([ident, *protocol.encode("stop")])
+            why = f"its index {source_id} is not the service's {self._source_id}"
+            sock.send_multipart([ident, *protocol.encode("error", error_fields(InvalidInput(why)))])
             return
+        self._joined.add(ident)
         self.add_remote(ident, sock)
 
     def add_remote(self, ident: bytes, sock: zmq.Socket) -> None:

@@ -27,19 +27,33 @@ from __future__ import annotations
 
 import logging
 import os
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from entrain_data.errors import ProtocolError
+import numpy as np
+
+from entrain_data.errors import ProtocolError, WorkerDied
 from entrain_data.shared_batch import drop_shared_dir, make_shared_dir
 
-__all__ = ["RankState", "Flight", "Production", "reachable_data_endpoint", "remote_host"]
+__all__ = [
+    "RankState",
+    "Flight",
+    "Production",
+    "reachable_data_endpoint",
+    "remote_host",
+    "poison_error",
+]
 
 log = logging.getLogger(__name__)
 
 Key = tuple[int, int]  # (replica, stream position)
+
+POISON_LOSSES = 3
+"""Deaths of the workers building one microbatch after which the service stops and names it:
+a sample that crashes the decoder (a segfault, an OOM kill) would otherwise kill worker
+after worker until the restart limit, with no word of which sample it was."""
 
 
 @dataclass
@@ -160,6 +174,7 @@ class Production:
         self.in_flight: dict[int, Flight] = {}
         self.wanted_flight: dict[Key, int] = {}  # key -> task bringing its payload back
         self.shared_dir: str | None = None  # workers' segments for ranks on this host
+        self.losses: Counter[Key] = Counter()  # microbatches whose worker died building them
 
     def open_shared(self) -> None:
         """Let workers hand this host's ranks microbatches in shared memory from now on."""
@@ -273,12 +288,18 @@ class Production:
                     r.sent_remote.add(pos)
         return flight
 
-    def lost(self, tids: list[int], by_rank: dict[int, RankState]) -> None:
-        """Tasks whose worker died: whatever they were to bring is needed again."""
+    def lost(self, tids: list[int], by_rank: dict[int, RankState]) -> list[Key]:
+        """Tasks whose worker died: whatever they were to bring is needed again. Returns the
+        microbatches lost :data:`POISON_LOSSES` times (every worker that builds them dies)."""
+        doomed = []
         for tid in tids:
             flight = self._settle(tid, by_rank, set())
             if flight is not None:
                 self.queue.appendleft(flight.key)
+                self.losses[flight.key] += 1
+                if self.losses[flight.key] >= POISON_LOSSES:
+                    doomed.append(flight.key)
+        return doomed
 
     def landed(
         self,
@@ -289,8 +310,10 @@ class Production:
     ) -> Flight | None:
         """A task's result: the ranks it reached and its payload if it brought one back."""
         flight = self._settle(tid, by_rank, reached)
-        if flight is not None and payload is not None:
-            self.ready[flight.key] = payload
+        if flight is not None:
+            self.losses.pop(flight.key, None)
+            if payload is not None:
+                self.ready[flight.key] = payload
         return flight
 
     def failed(self, tid: int, by_rank: dict[int, RankState]) -> Flight | None:
@@ -315,3 +338,19 @@ class Production:
             if item is not None and pos not in r.sent and pos not in r.flying:
                 out.append((pos, *item))
         return out
+
+
+def poison_error(key: Key, shape: Any, slot: Any, keys: list[str] | None) -> WorkerDied:
+    """The error that stops a service whose workers keep dying on one microbatch: it names
+    the microbatch and its samples (the index's keys, else their rows)."""
+    replica, pos = key
+    epoch, it, mb = shape.locate(pos)
+    rows = [] if slot is None else np.concatenate([slot.encoder_rows, slot.llm_rows])
+    names = [keys[i] if keys else f"row {i}" for i in np.unique(rows).astype(int).tolist()]
+    more = f" and {len(names) - 8} more" if len(names) > 8 else ""
+    return WorkerDied(
+        f"epoch {epoch} iteration {it} microbatch {mb} of replica {replica}: its worker died "
+        f"each of the {POISON_LOSSES} times it built this microbatch (a sample that crashes "
+        f"the decoder, or one larger than a worker's memory); its samples: "
+        f"{', '.join(names[:8]) or '?'}{more}"
+    )

@@ -187,9 +187,70 @@ class Scheduler:
         self._slots: dict[tuple[int, int], list[list[Slot]]] = {}
         self._cache = cache
         self.latencies: list[float] = []
-        # max_delay > 0: per epoch, the samples waiting after the last assigned iteration
-        self._carry: dict[int, _Carry] = {}
+        # max_delay > 0: the samples waiting before each assigned iteration, (epoch, iteration)
+        # -> carry, kept for the last two epochs (a few rows each): a rank asking again for an
+        # iteration dropped from the cache costs one assignment, not a replay of its epoch
+        self._carry: dict[tuple[int, int], _Carry] = {}
         self._last_carried = np.zeros(0, dtype=np.int64)
+
+    @classmethod
+    def for_plan(
+        cls,
+        plan: ParallelPlan,
+        costs: tuple[np.ndarray, np.ndarray, np.ndarray],
+        *,
+        seed: int,
+        source: Any = None,
+        assign_fn: Callable[..., Any] | None = None,
+    ) -> Scheduler:
+        """The schedule a service serves for ``plan``: its shape, caps, method, delay and
+        stages; ``costs`` is the source's ``(encoder [N, E], llm [N], tokens [N])`` and
+        ``source`` (optional) adds its per-sample patches for the encoder-set cap."""
+        from .sample_source import encoder_stats
+
+        enc, llm, tokens = costs
+        return cls(
+            enc,
+            llm,
+            tokens,
+            dp=plan.dp,
+            microbatches=plan.microbatches,
+            global_batch=plan.global_batch,
+            max_tokens=plan.max_tokens,
+            defer_budget=plan.defer_budget,
+            method=plan.method,
+            seed=seed,
+            assign_fn=assign_fn,
+            max_delay=plan.max_delay,
+            max_encoder_patches=plan.max_encoder_patches or None,
+            encoder_stats=encoder_stats(source) if source is not None else None,
+            frozen_encoders=frozen_columns(plan, enc),
+            pipeline_stages=plan.pp,
+            stage_shares=plan_shares(plan, enc),
+        )
+
+    def check_fits(self, keys: list[str] | None) -> None:
+        """Refuse at start the samples no microbatch of the plan can hold (a plan made on
+        another index): serving would stop at the first global batch holding one, naming it
+        by its place in that batch, possibly hours in."""
+        cap = self.max_tokens
+        over = [] if cap is None else [
+            (i, f"{self.tokens[i]} LLM tokens > max_tokens={cap}")
+            for i in np.flatnonzero(self.tokens > cap)
+        ]  # fmt: skip
+        if self.max_encoder_patches and self.encoder_patches is not None:
+            pt = np.asarray(self.encoder_patches).reshape(len(self.tokens), -1)
+            big = np.argwhere(pt > self.max_encoder_patches)
+            cap = self.max_encoder_patches
+            over += [(i, f"{pt[i, k]} patches in encoder column {k} > max_encoder_patches={cap}")
+                     for i, k in big]  # fmt: skip
+        if over:
+            named = "; ".join(f"{keys[i] if keys else f'row {i}'}: {why}" for i, why in over[:5])
+            more = f" and {len(over) - 5} more" if len(over) > 5 else ""
+            raise InvalidInput(
+                f"{len(over)} sample(s) fit no microbatch of this plan (was it made for another "
+                f"index? plan again on this one): {named}{more}"
+            )
 
     def left_out(self, epoch: int) -> np.ndarray:
         """Rows of ``epoch`` that no global batch holds (see :func:`epoch_left_out`)."""
@@ -283,22 +344,27 @@ class Scheduler:
     def _assign_delayed(self, epoch: int, iteration: int) -> None:
         """Delayed samples (``plan.max_delay``, or ``wlb_llm``'s outlier queue): iteration i's
         batch is its own rows plus the samples iteration i-1 carried, so iterations are assigned
-        in order from the epoch's start (again from the start if a lagging rank asks for one
-        already dropped from the cache, or after a mid-epoch resume). The epoch's last iteration
-        flushes, so every sample is served once per epoch and the stream stays a pure function
-        of the seed: resume stays exact."""
-        carry = self._carry.get(epoch)
-        if carry is None or carry.next > iteration:
-            carry = _Carry(0, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+        in order from the epoch's start (after a mid-epoch resume, from the start again; a
+        lagging rank asking for one dropped from the cache costs only its own assignment, from
+        the carry kept for it). The epoch's last iteration flushes, so every sample is served
+        once per epoch and the stream stays a pure function of the seed: resume stays exact."""
+        carry = self._carry.get((epoch, iteration))
+        if carry is None:
+            known = [i for e, i in self._carry if e == epoch and i <= iteration]
+            empty = np.zeros(0, dtype=np.int64)
+            carry = self._carry[(epoch, max(known))] if known else _Carry(0, empty, empty)
         batches = self.batches(epoch)
         while carry.next <= iteration:
             i = carry.next
+            self._carry[(epoch, i)] = carry
             rows = np.concatenate([carry.rows, batches[i]])
             ages = np.concatenate([carry.ages, np.zeros(len(batches[i]), dtype=np.int64)])
             self._slots[(epoch, i)] = self._assign(rows, ages, epoch, i)
             kept = self._last_carried
             carry = _Carry(i + 1, rows[kept], ages[kept] + 1)
-        self._carry = {epoch: carry}
+        self._carry[(epoch, carry.next)] = carry
+        for old in [k for k in self._carry if k[0] < epoch - 1]:
+            del self._carry[old]
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,14 @@ import zmq
 
 from entrain_data import protocol
 from entrain_data.encoder_calls import ENCODER_CALLS_KEY
-from entrain_data.errors import EntrainError, InvalidInput, error_fields
+from entrain_data.errors import (
+    EntrainError,
+    InvalidInput,
+    WorkerDied,
+    error_fields,
+    error_from_fields,
+)
+from entrain_data.tcp import HandshakeWatch, family_for
 
 from .delivery import Deliverer
 from .sample_source import Packed, Packer, SampleSource
@@ -41,6 +48,10 @@ __all__ = ["Packed", "run_worker", "run_remote_worker"]
 log = logging.getLogger(__name__)
 
 _POLL_MS = 500
+SILENCE_S = 60.0
+"""A remote worker that hears nothing from its service this long (the service answers every
+heartbeat, and says how long it waits for a silent worker: twice that replaces this) stops
+with an error: the service died, or the CURVE key or address is wrong."""
 
 
 def run_worker(
@@ -80,9 +91,11 @@ def run_remote_worker(
     """A worker on another host (``entrain-data worker --connect``): joins a service over tcp.
 
     It says ``ready`` with its source's identity (the service refuses a worker that
-    would pack another index), then sends a heartbeat whenever it is idle, so the
-    service can tell a dead remote worker from a busy one and re-issue its tasks.
-    CURVE encrypts and authenticates the connection when the service's key is given.
+    would pack another index, with an ``error`` this raises), then sends a heartbeat
+    whenever it is idle, so the service can tell a dead remote worker from a busy one and
+    re-issue its tasks; the service answers each, and :data:`SILENCE_S` without a word
+    raises :class:`WorkerDied` (the service is gone, or unreachable with this key). CURVE
+    encrypts and authenticates the connection when the service's key is given.
     """
     ident = (name or f"x{socket.gethostname()}-{os.getpid()}").encode()
     ctx = zmq.Context()
@@ -90,10 +103,13 @@ def run_remote_worker(
     sock.setsockopt(zmq.IDENTITY, ident)
     sock.setsockopt(zmq.LINGER, 1000)
     sock.setsockopt(zmq.SNDTIMEO, 1000)
+    family_for(sock, endpoint)
+    watch = None  # a key the service refuses is told at once, not waited out
     if curve_server_key is not None:
         pub, sec = zmq.curve_keypair()
         sock.curve_serverkey = curve_server_key
         sock.curve_publickey, sock.curve_secretkey = pub, sec
+        watch = HandshakeWatch(sock)
     sock.connect(endpoint)
     deadline: list[float] = [0.0]
 
@@ -107,9 +123,11 @@ def run_remote_worker(
 
     deliverer = Deliverer(ctx)  # to ranks' tcp sockets (CURVE), when the task names them
     try:
-        _serve_tasks(sock, source, ident.decode(), gone, heartbeat=True, out=deliverer)
+        _serve_tasks(sock, source, ident.decode(), gone, heartbeat=True, out=deliverer, watch=watch)
     finally:
         deliverer.close()
+        if watch is not None:
+            watch.close()
         sock.close(linger=0)
         ctx.term()
 
@@ -122,6 +140,7 @@ def _serve_tasks(
     *,
     heartbeat: bool,
     out: Deliverer | None = None,
+    watch: HandshakeWatch | None = None,
 ) -> None:
     """Build the packer, say ready, then pack every task until ``stop`` (or the service is gone)."""
     try:
@@ -134,8 +153,19 @@ def _serve_tasks(
     identity = getattr(source, "identity", lambda: None)() if heartbeat else None
     ready = {"pid": os.getpid(), "source": identity, "remote": heartbeat}
     sock.send_multipart(protocol.encode("ready", ready))
+    heard, silence = time.monotonic(), SILENCE_S
     while True:
         if not sock.poll(_POLL_MS):
+            if watch is not None and watch.refused():
+                raise InvalidInput(
+                    f"{label}: the loader service refused the encryption handshake: "
+                    "is --curve-server-key its public key?"
+                )
+            if heartbeat and time.monotonic() - heard > silence:
+                raise WorkerDied(
+                    f"{label}: no word from the service for {silence:.0f}s: it stopped, or "
+                    "is unreachable from here (address, firewall, --curve-server-key)"
+                )
             if heartbeat:
                 _send(sock, protocol.encode("heartbeat", {}), gone)
             elif gone():  # coordinator gone: do not linger as an orphan
@@ -148,14 +178,24 @@ def _serve_tasks(
         except EntrainError as exc:
             log.error("%s: dropped a malformed message: %s", label, exc)
             continue
+        heard = time.monotonic()
         if msg.kind == "stop":
             return
+        if msg.kind == "heartbeat":
+            silence = _positive(msg.header.get("silence"), silence)
+            continue
+        if msg.kind == "error":  # refused (another index): say why, do not exit as if done
+            raise error_from_fields(msg.header, prefix=f"{label}: the service refused it: ")
         if msg.kind != "task":
             log.error("%s: unexpected %r message", label, msg.kind)
             continue
         if not _send(sock, _run_task(packer, msg.header, out), gone) and not heartbeat:
             log.warning("%s: coordinator gone, exiting", label)
             return
+
+
+def _positive(value: Any, default: float) -> float:
+    return float(value) if isinstance(value, (int, float)) and value > 0 else default
 
 
 def _parent_gone_check() -> Callable[[], bool]:
