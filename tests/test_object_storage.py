@@ -170,3 +170,44 @@ def test_index_over_plain_https_style_urls(bucket, tmp_path):
     shard = TarShard(f"{base}/data/shard-000.tar")
     key = shard.keys()[3]
     assert shard.read(key) == TarShard(str(tmp_path / "shard-000.tar")).read(key)
+
+
+@pytest.mark.parametrize("name", ["metadata.jsonl", "llava.json", "metadata.csv"])
+def test_metadata_file_and_its_images_in_s3(bucket, shared_data, tmp_path, name):
+    """A metadata file in a bucket with its images beside it: indexed as its local copy is, and
+    served as workers read it (the one record at its byte offset, the images by range)."""
+    import csv
+
+    from entrain_data.workers.index_builder import build_index
+    from entrain_data.workers.sources import open_source
+
+    coco = shared_data / "coco_mini"
+    rows = [json.loads(x) for x in (coco / "captions.jsonl").open()][:5]
+    recs = [{"file_name": r["path"], "text": r["captions"][0]} for r in rows]
+    local = tmp_path / "meta"
+    (local / "images").mkdir(parents=True)
+    with (local / name).open("w", newline="") as f:
+        if name.endswith(".csv"):
+            w = csv.DictWriter(f, ["file_name", "text"])
+            w.writeheader()
+            w.writerows(recs)
+        elif name.endswith(".json"):
+            f.write("[\n" + ",\n".join(json.dumps(r) for r in recs) + "\n]\n")
+        else:
+            f.writelines(json.dumps(r) + "\n" for r in recs)
+    for r in rows:
+        (local / r["path"]).write_bytes((coco / r["path"]).read_bytes())
+    bucket.put(str(local), "data/meta", recursive=True)
+
+    remote = build_index(f"s3://data/meta/{name}", progress=False)
+    there = build_index(str(local / name), progress=False)
+    assert remote.sources[0] == f"s3://data/meta/{name}"
+    assert [replace(r, source="") for r in remote] == [replace(r, source="") for r in there]
+    src = open_source(remote.sources[0], metadata_columns=remote.column_map)
+    ref = open_source(there.sources[0], metadata_columns=there.column_map)
+    for member in reversed(remote.members.tolist()):
+        got = src.read(member)
+        assert got == ref.read(member) and len(got) == 2  # caption and image bytes
+    bucket.rm(f"data/meta/{rows[1]['path']}")
+    with pytest.raises(SampleError, match=rf"s3://data/meta/{name}:\d+: cannot read s3://"):
+        src.read(remote.members[1])

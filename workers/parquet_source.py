@@ -70,7 +70,9 @@ class ParquetSource:
         for g in range(meta.num_row_groups):
             self._starts.append(self._starts[-1] + meta.row_group(g).num_rows)
         self.columns = list(columns) if columns is not None else None
-        self._cached: tuple[int, pa.Table] | None = None
+        self._cached: tuple[tuple[int, tuple[str, ...] | None], pa.Table] | None = None
+        """The last row group decoded, keyed by (group, columns read): a read asking for other
+        columns must not be served the narrower table."""
 
     def keys(self) -> list[str]:
         return [str(i) for i in range(self.num_rows)]
@@ -95,13 +97,16 @@ class ParquetSource:
                 key=str(row),
             )
         g, within = self._group(row)
-        if self._cached is None or self._cached[0] != g:
-            cols = list(exts) if exts is not None else self.columns
+        cols = list(exts) if exts is not None else self.columns
+        cache_key = (g, None if cols is None else tuple(cols))
+        if self._cached is None or self._cached[0] != cache_key:
             try:
-                self._cached = (g, self._file.read_row_group(g, columns=cols))
-            except (pa.ArrowInvalid, OSError, KeyError) as exc:
+                self._cached = (cache_key, self._file.read_row_group(g, columns=cols))
+            except (pa.ArrowInvalid, OSError, KeyError) as exc:  # storage raises only OSError
                 raise SampleError(
-                    f"{self.path}: row group {g} unreadable ({exc})", source=self.path, key=str(row)
+                    f"{self.path}: row {row} (row group {g}) unreadable ({exc})",
+                    source=self.path,
+                    key=str(row),
                 ) from exc
         table = self._cached[1]
         names = [c for c in table.column_names if exts is None or c in exts]
