@@ -1,16 +1,22 @@
 """The service and its extra workers as Ray actors, on a local Ray cluster (``ray.init(num_cpus=2)``):
-a worker actor killed mid-epoch is restarted by Ray, and every sample arrives exactly once."""
+a worker actor killed mid-epoch is restarted by Ray, and every sample arrives exactly once; a
+service or worker that cannot start fails in the caller, typed; close() during another thread's
+wait() still cleans up."""
 
 from __future__ import annotations
 
+import glob
 import shutil
+import socket
 import tempfile
+import threading
 import time
 
 import pytest
 from test_service import assert_exactly_once, close_all, make_index_plan, make_shards
 
 from entrain_data.client import EntrainLoader
+from entrain_data.errors import InvalidInput
 from entrain_data.metadata import read_index
 
 ray = pytest.importorskip("ray", reason="pip install entrain-data[ray]")
@@ -18,12 +24,13 @@ ray = pytest.importorskip("ray", reason="pip install entrain-data[ray]")
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def local_ray():
     # loopback only: Ray binds its processes to the node address unless told otherwise. Its
     # session (logs, the object store's socket) goes to a private directory removed after the
-    # test: Ray's default /tmp/ray keeps every session's socket file. A short path: the socket's
-    # path must fit the OS's limit of ~107 bytes.
+    # module: Ray's default /tmp/ray keeps every session's socket file. A short path: the socket's
+    # path must fit the OS's limit of ~107 bytes. One Ray for the module (its start is most of a
+    # test's time); every test closes the actors it started.
     temp = tempfile.mkdtemp(prefix="ray-")
     ray.init(
         num_cpus=2,
@@ -88,3 +95,123 @@ def test_worker_actors_killed_mid_epoch_lose_nothing(tmp_path, local_ray):
     finally:
         close_all(loaders)
         svc.close()
+
+
+def _data(tmp_path):
+    return str(make_shards(tmp_path)), str(make_index_plan().save(tmp_path / "plan.json"))
+
+
+def _shm_of(pid: int) -> list[str]:
+    return glob.glob(f"/dev/shm/entrain-shm-{pid}-*")
+
+
+def test_taken_port_raises_in_the_caller(tmp_path, local_ray):
+    """The service could not bind: start_on_ray raises why, not a loader's timeout later."""
+    from entrain_data.workers.ray_service import start_on_ray
+
+    index, plan = _data(tmp_path)
+    sockets = tmp_path / "s"  # made by the service, removed when it stops
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        svc = None
+        try:
+            with pytest.raises(InvalidInput, match="address already in use"):
+                svc = start_on_ray(
+                    index=index,
+                    plan=plan,
+                    workers=1,
+                    endpoint=f"tcp://127.0.0.1:{port}",
+                    socket_dir=str(sockets),
+                )
+        finally:
+            if svc is not None:
+                svc.close()
+    assert not sockets.exists()
+
+
+@pytest.mark.parametrize(
+    ("option", "error", "match"),
+    [({"window": 0}, InvalidInput, "window must be >= 1"), ({"windw": 2}, TypeError, "windw")],
+)
+def test_bad_option_raises_typed(tmp_path, local_ray, option, error, match):
+    """Not Ray's ActorDiedError with the InvalidInput in its text: ``except InvalidInput`` works."""
+    from entrain_data.workers.ray_service import start_on_ray
+
+    index, plan = _data(tmp_path)
+    svc = None
+    try:
+        with pytest.raises(error, match=match):
+            svc = start_on_ray(index=index, plan=plan, workers=1, **option)
+    finally:
+        if svc is not None:
+            svc.close()
+
+
+@pytest.mark.slow
+def test_worker_that_cannot_start_fails_start(tmp_path, local_ray, monkeypatch):
+    """The plan missing on the workers' host (here: gone once the service read it; the service
+    reads it once, the index again)."""
+    from entrain_data.workers import ray_service
+
+    index, plan = _data(tmp_path)
+    serving = ray_service._serving
+
+    def then_remove_plan(*args):
+        endpoints = serving(*args)
+        shutil.move(plan, tmp_path / "moved.json")
+        return endpoints
+
+    monkeypatch.setattr(ray_service, "_serving", then_remove_plan)
+    svc = None
+    try:
+        with pytest.raises(InvalidInput, match=r"worker actor 0 on .*plan file not found"):
+            svc = ray_service.start_on_ray(index=index, plan=plan, workers=1, window=2)
+    finally:
+        if svc is not None:
+            svc.close()
+
+
+@pytest.mark.slow
+def test_worker_restarted_without_its_plan_is_reported(tmp_path, local_ray):
+    """Ray restarts a killed worker; one whose restart cannot read the plan is not silent."""
+    from entrain_data.workers.ray_service import start_on_ray
+
+    index, plan = _data(tmp_path)
+    svc = start_on_ray(index=index, plan=plan, workers=1, window=2)
+    try:
+        assert svc.wait(0) is None
+        shutil.move(plan, tmp_path / "moved.json")
+        ray.kill(svc.workers[0], no_restart=False)  # restarted by Ray: its init fails
+        state = svc.wait(60)
+        assert state is not None and "worker actor 0 on " in state, state
+        assert "plan file not found" in state
+    finally:
+        svc.close()
+
+
+@pytest.mark.slow
+def test_close_while_another_thread_waits(tmp_path, local_ray):
+    """close() is not queued behind a long wait() (then killed): the coordinator's clean-up runs."""
+    from entrain_data.workers.ray_service import start_on_ray
+
+    index, plan = _data(tmp_path)
+    sockets = tmp_path / "s"
+    svc = start_on_ray(index=index, plan=plan, workers=1, window=2, socket_dir=str(sockets))
+    waited: list = []
+    waiter = threading.Thread(target=lambda: waited.append(svc.wait(90)), daemon=True)
+    try:
+        pid = ray.get(svc.service.pid.remote(), timeout=30)
+        assert sockets.is_dir() and _shm_of(pid)
+        waiter.start()
+        time.sleep(1.0)  # the wait() is in the actor
+        t0 = time.monotonic()
+        svc.close()
+        assert time.monotonic() - t0 < 20
+        waiter.join(30)
+        assert waited == ["stopped"]
+        assert not sockets.exists() and not _shm_of(pid)
+    finally:
+        svc.close()
+        waiter.join(30)

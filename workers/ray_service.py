@@ -7,26 +7,48 @@ actor runs :func:`~.worker.run_remote_worker` wherever Ray finds a free CPU. A
 worker actor that dies is restarted by Ray and joins again; the tasks it held are
 re-issued once it falls silent, so nothing is lost. :meth:`RayService.close` stops
 the coordinator (which stops every worker) and kills the actors.
+
+An actor that cannot start keeps its error, typed (:func:`~entrain_data.errors.error_fields`),
+instead of raising it from ``__init__``: Ray would bury it in an ``ActorDiedError`` and,
+for a worker, never restart it, unseen. :func:`start_on_ray` returns only once the service
+serves (its sockets bound) and raises what stopped it; :meth:`RayService.wait` also reports
+a worker actor that cannot work.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import socket
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
+
+from entrain_data.errors import EntrainError, EntrainTimeout, error_fields, error_from_fields
 
 __all__ = ["RayService", "start_on_ray"]
 
 log = logging.getLogger(__name__)
+
+_STEP_S = 2.0  # RayService.wait looks at the workers this often
+_CALL_S = 30.0  # a quick actor call (status, stop's own join aside) answers within this
+_STOP_S = 30.0  # the coordinator's drain, then the actors are killed regardless
+_WORKERS_START_S = 30.0  # start_on_ray waits this long for worker actors Ray could place
+_CONCURRENCY = 4  # the service actor's calls run in threads: close() never queues behind wait()
+_MADE_HERE = ("curve_public_key", "curve_secret_key")  # the service actor makes its own keys
 
 
 def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _failure(exc: BaseException) -> dict[str, Any]:
+    """The typed error's fields, and the one line :meth:`RayService.wait` reports."""
+    return {"fields": error_fields(exc), "line": f"{type(exc).__name__}: {exc}"}
 
 
 class _ServiceActor:
@@ -36,18 +58,29 @@ class _ServiceActor:
         import zmq
 
         from .coordinator import Coordinator
-        from .service import make_config
+        from .service import make_config, remove_ipc
 
-        pub, sec = zmq.curve_keypair()
-        self.public_key = pub
+        self.failure: dict[str, Any] | None = None
+        self.thread: threading.Thread | None = None
+        self.serving = threading.Event()  # set by the coordinator once bound and serving
+        self.stopping = False
+        self.public_key, sec = zmq.curve_keypair()
         options = {
             "endpoint": f"tcp://{host}:{_free_port(host)}",
             "remote_endpoint": f"tcp://{host}:{_free_port(host)}",
             **options,
         }
-        self.cfg = make_config(curve_public_key=pub, curve_secret_key=sec, **options)
-        self.coordinator = Coordinator(self.cfg)
-        self.error: str | None = None
+        self.cfg: Any = None  # the ServiceConfig, once make_config accepts the options
+        try:
+            self.cfg = make_config(
+                curve_public_key=self.public_key, curve_secret_key=sec, **options
+            )
+            self.coordinator = Coordinator(self.cfg, on_ready=self.serving.set)
+        except Exception as exc:  # kept for ready(): the driver raises it, typed
+            self.failure = _failure(exc)
+            if self.cfg is not None:
+                remove_ipc(self.cfg)  # the socket folder make_config made
+            return
         self.thread = threading.Thread(target=self._run, name="entrain-coordinator", daemon=True)
         self.thread.start()
 
@@ -57,23 +90,47 @@ class _ServiceActor:
         try:
             self.coordinator.run(install_signals=False)  # signals belong to Ray's main thread
         except Exception as exc:
-            self.error = f"{type(exc).__name__}: {exc}"
+            self.failure = _failure(exc)
         finally:
             remove_ipc(self.cfg)  # the workers' ipc socket and its temp dir
 
-    def endpoints(self) -> tuple[str, str, bytes]:
-        return self.cfg.endpoint, str(self.cfg.remote_endpoint), self.public_key
+    def ready(self, timeout: float) -> dict[str, Any]:
+        """Once serving, the endpoints; else ``{"failure": ...}`` or, still starting, ``{}``."""
+        deadline = time.monotonic() + timeout
+        while self.thread is not None and self.thread.is_alive() and not self.serving.is_set():
+            if time.monotonic() > deadline:
+                return {}
+            self.serving.wait(0.1)
+        if self.failure is not None:
+            return {"failure": self.failure["fields"]}
+        if not self.serving.is_set():  # stopped before it served: only stop() does that
+            return {"failure": error_fields(EntrainError("stopped before it served"))}
+        cfg = self.cfg
+        return {"endpoints": (cfg.endpoint, str(cfg.remote_endpoint), self.public_key)}
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def wait(self, timeout: float) -> str | None:
-        """``None`` while serving; ``"done"`` or the error once the coordinator stopped."""
-        self.thread.join(timeout)
-        if self.thread.is_alive():
-            return None
-        return self.error or "done"
+        """``None`` while serving; ``"done"``, ``"stopped"`` or the error once it stopped."""
+        if self.thread is not None:
+            self.thread.join(timeout)
+            if self.thread.is_alive():
+                return None
+        if self.failure is not None:
+            return self.failure["line"]
+        return "stopped" if self.stopping else "done"
 
-    def stop(self) -> None:
+    def stop(self, timeout: float) -> bool:
+        """Drain the coordinator (it stops its workers, removes its ipc and shared-memory
+        files); ``False`` if it still runs after ``timeout``."""
+        if self.thread is None:
+            return True
+        if self.thread.is_alive():
+            self.stopping = True
         self.coordinator.request_stop()
-        self.thread.join(30)
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
 
 
 class _WorkerActor:
@@ -81,23 +138,69 @@ class _WorkerActor:
 
     def __init__(self, remote_endpoint: str, index: str, plan: str, key: bytes) -> None:
         from .service import remote_source
-        from .worker import run_remote_worker
 
-        source = remote_source(index, plan)
+        self.failure: dict[str, Any] | None = None
+        self.thread: threading.Thread | None = None
+        try:  # e.g. the index missing on this host: kept, since Ray never restarts a failed init
+            source = remote_source(index, plan)
+        except Exception as exc:
+            self.failure = _failure(exc)
+            return
         self.thread = threading.Thread(
-            target=run_remote_worker,
-            args=(remote_endpoint, source),
-            kwargs={"curve_server_key": key},
+            target=self._run,
+            args=(remote_endpoint, source, key),
             name="entrain-remote-worker",
             daemon=True,
         )
         self.thread.start()
 
+    def _run(self, remote_endpoint: str, source: Any, key: bytes) -> None:
+        from .worker import run_remote_worker
+
+        try:
+            run_remote_worker(remote_endpoint, source, curve_server_key=key)
+        except Exception as exc:  # refused by the service, or the service fell silent
+            self.failure = _failure(exc)
+
     def pid(self) -> int:
         return os.getpid()
 
     def running(self) -> bool:
-        return self.thread.is_alive()
+        return self.thread is not None and self.thread.is_alive()
+
+    def status(self) -> dict[str, Any]:
+        """This worker's host and, once it cannot work, its failure."""
+        return {"host": socket.gethostname(), "failure": self.failure}
+
+
+def _worker_failures(workers: list[Any], timeout: float) -> list[tuple[int, str, EntrainError]]:
+    """``(index, line, typed error)`` of the worker actors that cannot work.
+
+    One still placed or restarted by Ray is not a failure; one Ray gave up on is.
+    """
+    import ray
+
+    if not workers:
+        return []
+    refs = [w.status.remote() for w in workers]
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+    out = []
+    for i, ref in enumerate(refs):
+        if ref not in done:
+            continue  # waiting for a CPU: not started yet
+        try:
+            status = ray.get(ref)
+        except ray.exceptions.ActorUnavailableError:
+            continue  # restarting
+        except ray.exceptions.RayActorError as exc:
+            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            out.append((i, f"worker actor {i} died: {why}", EntrainError(why)))
+            continue
+        if status["failure"] is not None:
+            prefix = f"worker actor {i} on {status['host']}: "
+            typed = error_from_fields(status["failure"]["fields"], prefix=prefix)
+            out.append((i, prefix + status["failure"]["line"], typed))
+    return out
 
 
 @dataclass
@@ -109,21 +212,58 @@ class RayService:
     curve_public_key: bytes
     service: Any
     workers: list[Any]
+    _closed: bool = field(default=False, init=False, repr=False)
 
     def wait(self, timeout: float) -> str | None:
-        """``None`` while serving, ``"done"`` when every epoch was served, else the error."""
+        """``None`` while serving, ``"done"`` when every epoch was served, ``"stopped"`` after
+        :meth:`close`, else the error: the service's, or that of a worker actor that cannot
+        work (Ray restarts a worker whose process died, not one that failed by itself)."""
         import ray
 
-        return ray.get(self.service.wait.remote(timeout))
+        deadline = time.monotonic() + timeout
+        while not self._closed:
+            step = max(0.0, min(_STEP_S, deadline - time.monotonic()))
+            try:
+                state = ray.get(self.service.wait.remote(step), timeout=step + _CALL_S)
+            except ray.exceptions.RayActorError as exc:
+                return "stopped" if self._closed else f"the service actor died: {exc}"
+            except ray.exceptions.GetTimeoutError:
+                state = None  # an actor busy past _CALL_S: still there
+            if state is not None:  # the service's end comes before what its workers say
+                return "stopped" if self._closed else state
+            failed = _worker_failures(self.workers, timeout=1.0)
+            if failed and not self._closed:  # close() kills them: not a failure
+                return failed[0][1]
+            if time.monotonic() >= deadline:
+                return None
+        return "stopped"
 
     def close(self) -> None:
+        """Stop the coordinator (its cleanup runs: shared memory, ipc folder, local workers),
+        then kill the actors; a coordinator still draining after ``_STOP_S`` is killed."""
         import ray
 
+        if self._closed:
+            return
+        self._closed = True
         try:
-            ray.get(self.service.stop.remote(), timeout=60)
+            if not ray.get(self.service.stop.remote(_STOP_S), timeout=_STOP_S + _CALL_S):
+                log.warning("the loader service did not stop in %ss: killing it", _STOP_S)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+            log.warning("the service actor did not stop cleanly: %s", exc)
         finally:
             for actor in [self.service, *self.workers]:
                 ray.kill(actor, no_restart=True)
+
+
+def _check_options(options: dict[str, Any]) -> None:
+    """Names ``make_config`` does not take fail here, as ``TypeError``, not inside an actor."""
+    from .service import make_config
+
+    known = set(inspect.signature(make_config).parameters) - set(_MADE_HERE)
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"start_on_ray() got unknown service options: {', '.join(unknown)}")
 
 
 def start_on_ray(
@@ -136,6 +276,7 @@ def start_on_ray(
     service_resources: dict[str, Any] | None = None,
     worker_resources: dict[str, Any] | None = None,
     remote_timeout: float = 30.0,
+    start_timeout: float = 300.0,
     **service_options: Any,
 ) -> RayService:
     """Start one node's service (with ``local_workers``) and ``workers`` worker actors.
@@ -145,24 +286,50 @@ def start_on_ray(
     0.01}}`` beside its GPUs), ``worker_resources`` the workers (default one CPU each).
     Ranks connect with ``EntrainLoader(svc.endpoint, rank, curve_server_key=
     svc.curve_public_key)``.
+
+    Returns once the service serves and the worker actors Ray could place at once have
+    started (one still waiting for a CPU is reported by :meth:`RayService.wait` if it
+    fails later). Raises, after stopping what it started, the typed error (``InvalidInput``:
+    a bad option, a taken port, a plan or index a worker's host cannot read), ``TypeError``
+    for an option ``make_config`` does not take, or ``EntrainTimeout`` when the service is
+    not serving after ``start_timeout`` seconds.
     """
     import ray
 
+    _check_options(service_options)
     index, plan = os.path.abspath(index), os.path.abspath(plan)
-    service_cls = ray.remote(_ServiceActor).options(num_cpus=0, **(service_resources or {}))
-    service = service_cls.remote(
-        {
-            "index": index,
-            "plan": plan,
-            "workers": local_workers,
-            "remote_timeout": remote_timeout,
-            **service_options,
-        },
-        host,
+    service_cls = ray.remote(_ServiceActor).options(
+        **({"num_cpus": 0, "max_concurrency": _CONCURRENCY} | (service_resources or {}))
     )
-    endpoint, remote, key = ray.get(service.endpoints.remote())
-    worker_cls = ray.remote(_WorkerActor).options(
-        max_restarts=-1, **({"num_cpus": 1} | (worker_resources or {}))
-    )
-    actors = [worker_cls.remote(remote, index, plan, key) for _ in range(workers)]
-    return RayService(endpoint, remote, key, service, actors)
+    options = {"index": index, "plan": plan, "workers": local_workers}
+    options |= {"remote_timeout": remote_timeout, **service_options}
+    svc = RayService("", "", b"", service_cls.remote(options, host), [])
+    try:
+        svc.endpoint, svc.remote_endpoint, svc.curve_public_key = _serving(svc, start_timeout)
+        worker_cls = ray.remote(_WorkerActor).options(
+            max_restarts=-1, **({"num_cpus": 1} | (worker_resources or {}))
+        )
+        args = (svc.remote_endpoint, index, plan, svc.curve_public_key)
+        svc.workers = [worker_cls.remote(*args) for _ in range(workers)]
+        failed = _worker_failures(svc.workers, timeout=min(start_timeout, _WORKERS_START_S))
+        if failed:
+            raise failed[0][2]
+    except BaseException:
+        svc.close()
+        raise
+    return svc
+
+
+def _serving(svc: RayService, timeout: float) -> tuple[str, str, bytes]:
+    """The service's endpoints once it serves; raises why it does not."""
+    import ray
+
+    try:
+        state = ray.get(svc.service.ready.remote(timeout), timeout=timeout + _CALL_S)
+    except ray.exceptions.GetTimeoutError:
+        state = {}  # not even placed (its service_resources exist nowhere yet)
+    if "failure" in state:
+        raise error_from_fields(state["failure"])
+    if "endpoints" not in state:
+        raise EntrainTimeout(f"the loader service actor was not serving after {timeout}s")
+    return state["endpoints"]
