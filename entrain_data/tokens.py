@@ -2,10 +2,12 @@
 
 Each function mirrors the published preprocessing of the model family, so the
 token counts (and so the attention sequence lengths) are the ones training
-sees: Qwen2-VL ``smart_resize`` for dynamic resolution, InternVL dynamic tiling
-for tiles, a fixed resize for SigLIP/CLIP-style encoders, Whisper's padded 30 s
-windows for audio. Every function returns an :class:`ItemTokens` whose arrays
-are per item (image, video clip, audio clip).
+sees: transformers' Qwen2-VL ``smart_resize`` for dynamic resolution, InternVL
+dynamic tiling for tiles, a fixed resize for SigLIP/CLIP-style encoders,
+Whisper's padded 30 s windows and the encoders' output-length formulas (Whisper,
+Qwen2-Audio) for audio; tests/test_token_reference.py checks them against
+transformers. Every function returns an :class:`ItemTokens` whose arrays are per
+item (image, video clip, audio clip).
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ __all__ = [
     "audio_tokens",
     "audio_seconds_grid",
     "smart_resize",
+    "aspect_over_limit",
+    "MAX_ASPECT",
+    "AUDIO_SAMPLE_RATE",
+    "audio_frames",
     "dynamic_pixel_bounds",
     "internvl_tiles",
 ]
@@ -53,6 +59,10 @@ class ItemTokens:
         return self.n_seq.astype(np.float64) * self.seq_len.astype(np.float64) ** 2
 
 
+MAX_ASPECT = 200
+"""Largest long/short side ratio Qwen2-VL's ``smart_resize`` accepts (transformers raises above)."""
+
+
 def smart_resize(
     height: np.ndarray,
     width: np.ndarray,
@@ -60,18 +70,21 @@ def smart_resize(
     min_pixels: int | np.ndarray,
     max_pixels: int | np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Qwen2-VL's ``smart_resize``: sides become multiples of ``factor``, area within bounds.
+    """transformers' Qwen2-VL ``smart_resize`` on arrays: sides multiples of ``factor``, area in bounds.
 
-    Same steps as the reference (round to the factor; if too large scale down by
-    sqrt(area / max) and floor; if too small scale up and ceil), on arrays.
+    Its steps in its order: round each side to the factor (a side under factor/2 rounds to 0, and
+    the zero area then takes the min_pixels branch); too large: scale down by sqrt(area / max) and
+    floor (at least one factor); too small: scale up and ceil. The aspect limit (:data:`MAX_ASPECT`)
+    is not checked here, so a profile never stops on one sample: the packer refuses such an item
+    (:meth:`VisionTransform.target_size`), naming the sample, as the processor raises.
     """
     h = np.asarray(height, dtype=np.float64)
     w = np.asarray(width, dtype=np.float64)
-    hb = np.maximum(factor, np.round(h / factor) * factor)
-    wb = np.maximum(factor, np.round(w / factor) * factor)
+    hb = np.round(h / factor) * factor  # numpy and Python both round half to even
+    wb = np.round(w / factor) * factor
     area = hb * wb
     big = area > max_pixels
-    small = area < min_pixels
+    small = ~big & (area < min_pixels)
     with np.errstate(divide="ignore", invalid="ignore"):
         beta_big = np.sqrt(h * w / max_pixels)
         beta_small = np.sqrt(min_pixels / (h * w))
@@ -80,6 +93,14 @@ def smart_resize(
     hb = np.where(small, np.ceil(h * beta_small / factor) * factor, hb)
     wb = np.where(small, np.ceil(w * beta_small / factor) * factor, wb)
     return hb.astype(np.int64), wb.astype(np.int64)
+
+
+def aspect_over_limit(height: np.ndarray, width: np.ndarray) -> np.ndarray:
+    """Items Qwen2-VL's processor refuses: long side over :data:`MAX_ASPECT` times the short one."""
+    h = np.asarray(height, dtype=np.float64)
+    w = np.asarray(width, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.maximum(h, w) / np.minimum(h, w) > MAX_ASPECT
 
 
 def internvl_tiles(
@@ -196,29 +217,57 @@ def vision_tokens(
     )
 
 
+AUDIO_SAMPLE_RATE = 16000
+"""Whisper's input rate: the packer decodes every clip to it, and frames are counted on its grid."""
+
+
 def audio_seconds_grid(seconds: Any) -> np.ndarray:
-    """Durations on a microsecond grid, as float64. An index stores them as float32: 3,200
-    samples at 16 kHz read back as 0.20000000298 s, one mel frame and one LLM token past the
-    clip's 20 frames. A microsecond is below one sample at any audio rate, so no real
-    boundary moves. This mends clips up to about 16 s (float32's error stays under half a
-    microsecond); a longer one can still count one frame past its samples, computed on
-    padding. The cost model and the packer count through this same function either way."""
-    return np.round(np.asarray(seconds, dtype=np.float64), 6)
+    """Durations snapped to the 16 kHz sample grid, as float64: the decoder resamples a clip to
+    ``round(seconds * 16000)`` samples, and an index stores seconds as float32 (3,200 samples read
+    back as 0.20000000298 s, one mel frame past the clip's 20). float32's error stays under half
+    a sample up to about 500 s, so every clip of whole 16 kHz samples lands back on its count;
+    a clip of another rate lands where the decoder's rounding puts it, save a duration within
+    float32's error of a half-sample tie."""
+    sec = np.asarray(seconds, dtype=np.float64)
+    return np.round(sec * AUDIO_SAMPLE_RATE) / AUDIO_SAMPLE_RATE
+
+
+def audio_frames(cfg: ModuleConfig, seconds: Any) -> np.ndarray:
+    """Mel frames of every clip: ``ceil(samples / hop)`` (at least 1), the count of
+    ``WhisperFeatureExtractor``'s attention mask; the packer's features have exactly these rows."""
+    samples = np.round(np.asarray(seconds, dtype=np.float64) * AUDIO_SAMPLE_RATE).astype(np.int64)
+    hop = max(1, int(round(AUDIO_SAMPLE_RATE / cfg.audio_frame_rate)))
+    return np.maximum(1, -(-samples // hop))
+
+
+def _audio_output_length(cfg: ModuleConfig, frames: np.ndarray) -> np.ndarray:
+    """Encoder outputs of one window's ``frames``, transformers' formulas: the conv stem (kernel 3,
+    padding 1, stride s) gives ``(L - 1) // s + 1`` (``WhisperEncoder._get_feat_extract_output_lengths``),
+    then ``audio_pool`` average pooling (kernel = stride = pool) ``(L - pool) // pool + 1 == L // pool``
+    (``Qwen2AudioEncoder``'s). A clip of one or two frames gives Qwen2-Audio 0 tokens, as here."""
+    conv = (np.asarray(frames, dtype=np.int64) - 1) // int(cfg.audio_conv_stride) + 1
+    return conv // int(cfg.audio_pool)
 
 
 def audio_tokens(cfg: ModuleConfig, seconds: np.ndarray) -> ItemTokens:
-    """Tokens of every audio clip: padded fixed windows through the encoder, real length into the LLM."""
-    sec = audio_seconds_grid(seconds)
-    win = cfg.audio_window_seconds
-    n_win = np.maximum(1, np.ceil(sec / win - 1e-9)).astype(np.int64)
-    seq = int(round(win * cfg.audio_frame_rate / cfg.audio_conv_stride))
-    seq_len = np.full(sec.shape, seq, dtype=np.int64)
-    per_sec = cfg.audio_frame_rate / cfg.audio_conv_stride / cfg.audio_pool
-    llm = np.maximum(1, np.ceil(sec * per_sec - 1e-9)).astype(np.int64)
+    """Tokens of every audio clip: padded fixed windows through the encoder, real length into the LLM.
+
+    A clip longer than one window runs as consecutive windows, each padded and masked on its own,
+    so its LLM tokens are the reference's output length summed over its windows.
+    """
+    frames = audio_frames(cfg, seconds)
+    win_frames = max(1, int(round(cfg.audio_window_seconds * cfg.audio_frame_rate)))
+    full, rest = np.divmod(frames, win_frames)
+    n_win = np.maximum(1, full + (rest > 0)).astype(np.int64)
+    seq = int(round(cfg.audio_window_seconds * cfg.audio_frame_rate / cfg.audio_conv_stride))
+    seq_len = np.full(frames.shape, seq, dtype=np.int64)
+    llm = full * _audio_output_length(cfg, np.array(win_frames)) + np.where(
+        rest > 0, _audio_output_length(cfg, rest), 0
+    )
     return ItemTokens(
         n_seq=n_win,
         seq_len=seq_len,
         window_sumsq=n_win * float(seq) ** 2,
-        llm_tokens=llm,
+        llm_tokens=llm.astype(np.int64),
         embed_units=n_win.astype(np.float64),
     )

@@ -41,6 +41,7 @@ from transformers import (  # noqa: E402
     SiglipImageProcessorPil,
     WhisperFeatureExtractor,
 )
+from transformers.models.qwen2_audio.modeling_qwen2_audio import Qwen2AudioEncoder  # noqa: E402
 
 pytestmark = pytest.mark.shared_data
 
@@ -203,11 +204,15 @@ def test_whisper_features_match_feature_extractor(shared_data):
         sec = float(np.float32(decode.audio_seconds(data)))  # the index stores float32 seconds
         wave = decode.decode_audio(data, 16000)
         ours = at.features(wave, sec)
-        ref = fe(wave, sampling_rate=16000, return_tensors="np")["input_features"][0]
+        out = fe(wave, sampling_rate=16000, return_attention_mask=True, return_tensors="np")
+        ref = out["input_features"][0]
         assert ours.shape == (at.frames(sec), cfg.n_mels) and ref.shape == (cfg.n_mels, 3000)
         k = min(len(ours), 3000)
         np.testing.assert_allclose(ours[:k], ref[:, :k].T, atol=1e-4, err_msg=str(path))
-        assert -(-len(ours) // 4) == at.llm_tokens(sec)
+        # the preset pools as Qwen2-Audio does: its encoder's output length of the masked frames
+        assert len(ours) <= 3000 and int(out["attention_mask"].sum()) == len(ours)
+        _, n_out = Qwen2AudioEncoder._get_feat_extract_output_lengths(None, torch.tensor(len(ours)))
+        assert int(n_out) == at.llm_tokens(sec), path
 
 
 QWEN_VL_UTILS_VIDEO_MIN_PIXELS = 128 * 28 * 28

@@ -96,11 +96,12 @@ def test_full_pack_matches_cost_model_and_encoder(demo):
     per_sample = np.bincount(t["image_sample"], weights=merged, minlength=len(rows))
     assert np.array_equal(per_sample.astype(np.int64), t["llm_vision_tokens"])
     assert np.all(grid[:, 1:] % VISION.merge == 0)
-    # audio: frames per clip -> ceil(F / (stride * pool)) encoder outputs = placeholders
+    # audio: frames per clip -> Qwen2-Audio's output length (conv stride 2, then pool 2; clips
+    # under 30 s here) encoder outputs = placeholders
     lengths = t["audio_lengths"]
-    assert t["audio_features"].shape == (int(lengths.sum()), AUDIO.n_mels)
-    k = AUDIO.audio_conv_stride * AUDIO.audio_pool
-    per_sample = np.bincount(t["audio_sample"], weights=-(-lengths // k), minlength=len(rows))
+    assert t["audio_features"].shape == (int(lengths.sum()), AUDIO.n_mels) and lengths.max() <= 3000
+    outs = ((lengths - 1) // AUDIO.audio_conv_stride + 1) // AUDIO.audio_pool
+    per_sample = np.bincount(t["audio_sample"], weights=outs, minlength=len(rows))
     assert np.array_equal(per_sample.astype(np.int64), t["llm_audio_tokens"])
     assert np.isfinite(t["audio_features"]).all() and np.isfinite(t["pixel_values"]).all()
     assert out.meta["image_token_id"] == 1 and out.meta["audio_token_id"] == 2
@@ -257,8 +258,8 @@ def test_log_mel_features():
     assert low.mean(axis=0).argmax() < high.mean(axis=0).argmax()
     for sec in (0.01, 1.0, 2.345, 12.34, 29.99, 30.0):
         sec32 = float(np.float32(sec))  # the index stores float32 seconds
-        f = at.frames(sec32)
-        assert -(-f // 4) == at.llm_tokens(sec32)
+        f = at.frames(sec32)  # Qwen2-Audio's output length (0.01 s: one frame, no token)
+        assert (((f - 1) // 2 + 1) - 2) // 2 + 1 == at.llm_tokens(sec32)
     assert at.features(np.zeros(10, np.float32), 3.0).shape == (300, 128)
 
 

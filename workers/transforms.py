@@ -8,8 +8,9 @@ Public API (stable):
   - ``fixed`` (SigLIP / CLIP): every image or frame resized to ``image_size`` square; the patch
     grid is ``image_size // patch_size`` per side and the remainder (384 = 27 * 14 + 6) is dropped,
     as the encoder's strided convolution drops it;
-  - ``dynamic`` (Qwen2-VL / Qwen2.5-VL): ``smart_resize`` to multiples of patch*merge within
-    [min_pixels, max_pixels] (video frames: the per-frame and per-clip caps of the cost model);
+  - ``dynamic`` (Qwen2-VL / Qwen2.5-VL): transformers' ``smart_resize`` to multiples of
+    patch*merge within [min_pixels, max_pixels] (video frames: the per-frame and per-clip caps of
+    the cost model); an aspect ratio over 200 is refused, as the processor refuses it;
   - ``tiles`` (InternVL): the closest tile canvas of at most ``max_tiles`` ``image_size`` tiles,
     the image resized onto it and cut row by row, plus a thumbnail (the whole image resized to one
     tile) when there is more than one tile; a video frame is one tile.
@@ -25,7 +26,8 @@ Public API (stable):
 - ``AudioTransform(cfg)``: Whisper's log-mel features (``cfg.n_mels`` mels, 25 ms Hann window,
   ``cfg.audio_frame_rate`` frames per second at 16 kHz, each ``audio_window_seconds`` window
   zero-padded and scaled on its own as ``WhisperFeatureExtractor`` does): ``frames(seconds)``,
-  ``features(wave, seconds) -> float32 [frames(seconds), n_mels]``, ``llm_tokens(seconds)``.
+  ``features(wave, seconds) -> float32 [frames(seconds), n_mels]``, ``llm_tokens(seconds)`` (the
+  encoder's output length per window: Whisper's conv stem, then ``audio_pool``, as Qwen2-Audio).
 
 The sizes used are the index's (metadata), never the decoded ones, so an LLM-only pack (a deferred
 sample, not decoded) computes the same placeholder counts as the microbatch that encoded it.
@@ -33,7 +35,6 @@ sample, not decoded) computes the same placeholder counts as the microbatch that
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from functools import cached_property
 
@@ -43,7 +44,10 @@ from PIL import Image
 from entrain_data.errors import InvalidInput
 from entrain_data.presets import ModuleConfig
 from entrain_data.tokens import (
-    audio_seconds_grid,
+    AUDIO_SAMPLE_RATE,
+    MAX_ASPECT,
+    aspect_over_limit,
+    audio_frames,
     audio_tokens,
     dynamic_pixel_bounds,
     smart_resize,
@@ -52,8 +56,7 @@ from entrain_data.tokens import (
 
 __all__ = ["VisionTransform", "AudioTransform", "SAMPLE_RATE", "tile_canvas", "resize_rgb"]
 
-SAMPLE_RATE = 16000
-_EPS = 1e-9  # the same tolerance tokens.audio_tokens uses
+SAMPLE_RATE = AUDIO_SAMPLE_RATE  # the rate the cost model counts frames at
 
 
 def tile_canvas(height: int, width: int, tile: int, max_tiles: int) -> tuple[int, int]:
@@ -144,12 +147,22 @@ class VisionTransform:
         return self.channels * self.tp * self.patch * self.patch
 
     def target_size(self, height: int, width: int, frames: int = 1) -> tuple[int, int]:
-        """(H, W) the decoder resizes an image (or every frame of a clip) to."""
+        """(H, W) the decoder resizes an image (or every frame of a clip) to.
+
+        ``dynamic``: an item whose long side is over 200 times its short one is refused
+        (``InvalidInput``; the packer names the sample, so ``on_error="skip"`` skips it), as
+        transformers' Qwen2-VL processor raises; the cost model still counts it by the formula.
+        """
         c = self.cfg
         if c.resize == "fixed" or (c.resize == "tiles" and frames > 1):
             return c.image_size, c.image_size
         if c.resize == "tiles":
             return int(height), int(width)
+        if aspect_over_limit(np.array([height]), np.array([width]))[0]:
+            raise InvalidInput(
+                f"image of {height}x{width} px: aspect ratio {max(height, width) / min(height, width):.1f}"
+                f" is over {MAX_ASPECT}, which Qwen2-VL's smart_resize refuses"
+            )
         min_px, max_px = dynamic_pixel_bounds(c, np.array([frames]))
         h, w = smart_resize(
             np.array([height]), np.array([width]), self.patch * self.merge, min_px, max_px
@@ -245,10 +258,9 @@ class AudioTransform:
         return np.hanning(self.n_fft + 1)[:-1]
 
     def frames(self, seconds: float) -> int:
-        """Mel frames of a clip: ceil(seconds * rate) (at least 1); divides into the LLM tokens."""
-        k = self.cfg.audio_conv_stride * self.cfg.audio_pool
-        sec = float(audio_seconds_grid(seconds))  # the cost model's grid (float32 indexes)
-        return max(1, math.ceil(sec * self.cfg.audio_frame_rate - k * _EPS))
+        """Mel frames of a clip, the cost model's (:func:`~entrain_data.tokens.audio_frames`):
+        ``ceil(samples / hop)`` on the 16 kHz grid, as Whisper's feature extractor masks them."""
+        return int(audio_frames(self.cfg, np.array([seconds]))[0])
 
     def llm_tokens(self, seconds: float) -> int:
         """Encoder output tokens of a clip: the cost model's count."""
