@@ -23,6 +23,7 @@ output is kept.
 from __future__ import annotations
 
 import logging
+import numbers
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
@@ -36,6 +37,9 @@ from ..plan import ParallelPlan
 
 __all__ = [
     "LOSS_MODES",
+    "check_microbatch",
+    "iteration_microbatches",
+    "collective_device",
     "loss_sums",
     "loss_units",
     "global_loss_count",
@@ -84,14 +88,111 @@ def loss_sums(
     return (per_sum[has] / per_n[has]).sum(), has.sum().to(tok.dtype)
 
 
+def _where(mb: Microbatch, who: str) -> str:
+    return f"{who}: iteration {mb.iteration} microbatch {mb.microbatch} (replica {mb.replica})"
+
+
+def check_microbatch(mb: object, who: str, require: Sequence[str] = ()) -> None:
+    """Refuse a microbatch the adapters would misread, naming it and the field.
+
+    The LLM part (``input_ids``, ``labels``, ``cu_seqlens``, and ``require``)
+    may be absent only when the microbatch has no LLM set; when present, the
+    token tensors must be 1-D and of one length, and ``cu_seqlens`` must run
+    from 0 to that length, one boundary per LLM-set sample. Without this a
+    missing ``labels`` counts as no loss tokens and a bad ``cu_seqlens`` fails
+    deep inside a loss or attention kernel.
+    """
+    if not isinstance(mb, Microbatch):
+        raise InvalidInput(f"{who}: got a {type(mb).__name__}, not a Microbatch")
+    where = _where(mb, who)
+    names = ("input_ids", "labels", "cu_seqlens", *require)
+    if not mb.llm_keys and not any(n in mb for n in names):
+        return  # no LLM part at all: an encoder-only (or empty) microbatch
+    for name in names:
+        if name not in mb:
+            raise InvalidInput(f"{where}: field {name!r} is missing")
+    tokens = mb["input_ids"].shape
+    for name in ("input_ids", "labels", "position_ids", "cu_seqlens"):
+        if name in mb and mb[name].dim() != 1:
+            raise InvalidInput(
+                f"{where}: field {name!r} has shape {tuple(mb[name].shape)}, not 1-D"
+            )
+    for name in ("labels", "position_ids"):
+        if name in mb and mb[name].shape != tokens:
+            raise InvalidInput(
+                f"{where}: field {name!r} has {mb[name].numel()} entries but input_ids has "
+                f"{tokens[0]}"
+            )
+    if mb["labels"].dtype.is_floating_point:
+        raise InvalidInput(f"{where}: field 'labels' is {mb['labels'].dtype}, not an integer type")
+    cu = mb["cu_seqlens"].tolist()
+    if len(cu) != len(mb.llm_keys) + 1 or cu[0] != 0 or cu[-1] != tokens[0]:
+        raise InvalidInput(
+            f"{where}: field 'cu_seqlens' {cu[:8]}{'...' if len(cu) > 8 else ''} must run from "
+            f"0 to {tokens[0]} (input_ids) with {len(mb.llm_keys) + 1} entries (llm_keys + 1)"
+        )
+    if any(b < a for a, b in zip(cu, cu[1:])):
+        raise InvalidInput(f"{where}: field 'cu_seqlens' decreases: {cu[:8]}")
+
+
+def iteration_microbatches(
+    microbatches: Iterable[Microbatch], who: str, require: Sequence[str] = ()
+) -> list[Microbatch]:
+    """``microbatches`` as a checked list of one iteration's microbatches.
+
+    Entry points read their microbatches more than once (loss count, encoder
+    calls, buffer announcements, the steps), so a generator is materialised
+    here rather than silently consumed by the first read; every rank of a DP
+    group must then see a non-empty list, or the collectives that follow hang.
+    """
+    if isinstance(microbatches, (str, bytes, Microbatch)) or not isinstance(microbatches, Iterable):
+        raise InvalidInput(
+            f"{who}: expected this iteration's microbatches (a list), got "
+            f"{type(microbatches).__name__}"
+        )
+    out = list(microbatches)
+    if not out:
+        raise InvalidInput(f"{who}: no microbatches given for this iteration")
+    for mb in out:
+        check_microbatch(mb, who, require)
+    first = out[0]
+    for mb in out[1:]:
+        if (mb.epoch, mb.iteration) != (first.epoch, first.iteration):
+            raise InvalidInput(
+                f"{who}: microbatch {mb.microbatch} is of (epoch, iteration) "
+                f"{(mb.epoch, mb.iteration)}, microbatch {first.microbatch} of "
+                f"{(first.epoch, first.iteration)}: pass one iteration at a time "
+                "(group_iterations)"
+            )
+    return out
+
+
+def collective_device(
+    group: dist.ProcessGroup | None = None, device: torch.device | str | None = None
+) -> torch.device:
+    """Where a tensor entering a collective over ``group`` must live: ``device`` when given,
+    else the current CUDA device for an NCCL-only group (NCCL reduces only CUDA tensors),
+    else the CPU."""
+    if device is not None:
+        return torch.device(device)
+    on = dist.is_available() and dist.is_initialized()
+    if on and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def loss_units(mb: Microbatch, mode: str = "token") -> int:
     """This microbatch's share of the loss denominator (loss tokens, or samples with a loss token)."""
     _check_mode(mode)
     if "labels" not in mb:
+        if mb.llm_keys:
+            raise InvalidInput(f"{_where(mb, 'loss count')}: field 'labels' is missing")
         return 0
     valid = mb["labels"] != -100
     if mode == "token":
         return int(valid.sum())
+    if "cu_seqlens" not in mb:
+        raise InvalidInput(f"{_where(mb, 'loss count')}: field 'cu_seqlens' is missing")
     lengths = torch.diff(mb["cu_seqlens"].long())
     owner = torch.repeat_interleave(torch.arange(len(lengths)), lengths.cpu())
     return int(torch.bincount(owner[valid.cpu()], minlength=len(lengths)).gt(0).sum())
@@ -101,18 +202,19 @@ def global_loss_count(
     microbatches: Sequence[Microbatch],
     mode: str = "token",
     group: dist.ProcessGroup | None = None,
-    device: torch.device | str = "cpu",
+    device: torch.device | str | None = None,
 ) -> int:
     """The loss denominator of the whole global batch: this replica's count summed over ``group``.
 
     ``microbatches`` are this replica's microbatches of one iteration; ``group``
     is the data-parallel group (None: the default group when initialised; no
     communication when not). Pipeline and tensor-parallel ranks of a replica
-    see the same microbatches, so they must not be in ``group``.
+    see the same microbatches, so they must not be in ``group``. ``device``: where the count
+    is reduced (None: :func:`collective_device`).
     """
     local = sum(loss_units(mb, mode) for mb in microbatches)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        t = torch.tensor([local], dtype=torch.int64, device=device)
+        t = torch.tensor([local], dtype=torch.int64, device=collective_device(group, device))
         dist.all_reduce(t, group=group)
         return int(t.item())
     return local
@@ -155,8 +257,8 @@ class EncoderOutputBuffer:
     """
 
     def __init__(self, budget: int | None = None):
-        if budget is not None and budget < 0:
-            raise InvalidInput(f"encoder-output buffer: budget must be >= 0, got {budget}")
+        if budget is not None and (not isinstance(budget, numbers.Integral) or budget < 0):
+            raise InvalidInput(f"encoder-output buffer: budget must be an int >= 0, got {budget!r}")
         self.budget = budget
         self._items: dict[str, tuple[torch.Tensor, int]] = {}
         self._tokens = 0
@@ -277,8 +379,9 @@ def group_iterations(microbatches: Iterable[Microbatch]) -> Iterator[list[Microb
 
 
 # -------------------------------------------------- group-wide encoder calls (sharding)
-ENCODER_OWNERS = {"vision": "image_sample", "audio": "audio_sample"}
-"""Per encoder name, the ``batch.py`` tensor naming each item's owner in ``encoder_keys``."""
+ENCODER_OWNERS = {"vision": ("image_sample", "video_sample"), "audio": ("audio_sample",)}
+"""Per encoder name, the ``batch.py`` tensors naming each item's owner in ``encoder_keys``: the
+vision encoder takes still images and video clips (the service counts both as its uses)."""
 
 
 def local_call_groups(microbatches: Sequence[Microbatch], names: Sequence[str]) -> torch.Tensor:
@@ -289,12 +392,11 @@ def local_call_groups(microbatches: Sequence[Microbatch], names: Sequence[str]) 
     groups = torch.zeros(m, m, len(names), dtype=torch.uint8)
     for j, mb in enumerate(microbatches):
         for e, name in enumerate(names):
-            owner = ENCODER_OWNERS.get(name)
-            if owner is None:
+            owners = ENCODER_OWNERS.get(name)
+            if owners is None:
                 raise InvalidInput(f"encoder calls: unknown encoder {name!r}")
-            if owner not in mb:
-                continue
-            for o in set(mb[owner].tolist()):
+            items = {o for owner in owners if owner in mb for o in mb[owner].tolist()}
+            for o in items:
                 key = mb.encoder_keys[o]
                 c = consumer.get(key)
                 if c is None or c < j:
@@ -310,7 +412,7 @@ def resolve_encoder_calls(
     microbatches: Sequence[Microbatch],
     names: Sequence[str] = ("vision", "audio"),
     group: dist.ProcessGroup | None = None,
-    device: torch.device | str = "cpu",
+    device: torch.device | str | None = None,
 ) -> list[Microbatch]:
     """The microbatches, each with ``meta[ENCODER_CALLS_KEY]`` set: the loader service's value
     when every microbatch has one, else the union over ``group`` (the data-parallel group) of
@@ -319,7 +421,9 @@ def resolve_encoder_calls(
         return list(microbatches)
     groups = local_call_groups(microbatches, names)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        t = groups.to(device=device, dtype=torch.int32)  # gloo has no uint8 MAX on every build
+        t = groups.to(
+            device=collective_device(group, device), dtype=torch.int32
+        )  # gloo has no uint8 MAX on every build
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         groups = t.cpu()
     calls = calls_from_groups(groups.numpy().astype(bool), list(names))

@@ -47,9 +47,8 @@ a stale buffer, so :func:`check_pipeline_engine` refuses it.
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -61,13 +60,16 @@ from ..plan import ParallelPlan
 from .common import (
     EncoderOutputBuffer,
     global_loss_count,
+    iteration_microbatches,
     loss_scale,
     loss_sums,
     resolve_encoder_calls,
 )
+from .deepspeed_config import ZERO_STAGE, deepspeed_config
 from .reference_model import ReferenceMLLM, packed_causal_mask
 
 __all__ = [
+    "ZERO_STAGE",
     "avoid_cpu_op_builds",
     "deepspeed_config",
     "pipeline_parts",
@@ -103,56 +105,6 @@ def pipeline_parts(plan: ParallelPlan, first_extra: int = 1, last_extra: int = 1
     parts = [0] + [first_extra + end for _, end in ranges]
     parts[-1] += last_extra
     return parts
-
-
-ZERO_STAGE = {"none": 0, "optimizer": 1, "gradients": 2, "full": 3}
-"""ZeRO stage of each ``ParallelPlan.sharding``."""
-
-
-def deepspeed_config(
-    plan: ParallelPlan, user_config: Mapping[str, Any] | None = None
-) -> dict[str, Any]:
-    """The user's DeepSpeed config with the plan's batch geometry merged in.
-
-    ``gradient_accumulation_steps`` = microbatches per replica per iteration;
-    ``train_micro_batch_size_per_gpu`` = the mean samples per microbatch (a
-    nominal figure: balanced microbatches vary in size, DeepSpeed only uses it
-    for bookkeeping); ``train_batch_size`` consistent with both and ``dp``.
-    Conflicting user values are an error naming the key.
-
-    ``zero_optimization.stage`` from ``plan.sharding`` (none 0, optimizer 1,
-    gradients 2, full 3) unless the user config sets one; a different stage is
-    kept, with a warning, since the plan's memory estimate assumed its own.
-    Activation recomputation (``plan.stages[i].recompute``) is the model's to
-    apply (``deepspeed.checkpointing.checkpoint`` around its blocks).
-    """
-    cfg = copy.deepcopy(dict(user_config or {}))
-    zero = dict(cfg.get("zero_optimization") or {})
-    stage = ZERO_STAGE[plan.sharding]
-    if "stage" in zero and zero["stage"] != stage:
-        log.warning(
-            "deepspeed config: zero_optimization.stage=%s, the plan's sharding %r is stage %d "
-            "(its memory estimate assumed that)",
-            zero["stage"],
-            plan.sharding,
-            stage,
-        )
-    zero.setdefault("stage", stage)
-    cfg["zero_optimization"] = zero
-    micro = max(1, plan.global_batch // (plan.dp * plan.microbatches))
-    wanted = {
-        "gradient_accumulation_steps": plan.microbatches,
-        "train_micro_batch_size_per_gpu": micro,
-        "train_batch_size": micro * plan.microbatches * plan.dp,
-    }
-    for key, value in wanted.items():
-        if key in cfg and cfg[key] != value:
-            raise InvalidInput(
-                f"deepspeed config: {key}={cfg[key]} conflicts with the plan ({value}); "
-                "drop it from the config, the plan sets it"
-            )
-        cfg[key] = value
-    return cfg
 
 
 class PlannedPipelineModule:
@@ -230,6 +182,14 @@ def _zero_fill_missing_grads(optimizer: Any) -> None:
                     p.grad = torch.zeros_like(p)
 
 
+def _discard_gradients(engine: Any) -> None:
+    """Drop the gradients a failed iteration accumulated, so the next one starts clean."""
+    zero_grad = getattr(engine.optimizer, "zero_grad", None)
+    if zero_grad is not None:
+        zero_grad()
+    engine.zero_grad()
+
+
 def train_step(
     engine: Any,
     microbatches: Sequence[Microbatch],
@@ -250,8 +210,12 @@ def train_step(
     one ``step()``, so gradients are reduced once, in parameter order, whatever
     order each rank's hooks fire in (see the module notes: per-microbatch ZeRO-2
     reduction follows hook order, which balanced microbatches make differ
-    between ranks). ZeRO-0 reduces once per step in parameter order already.
+    between ranks). ZeRO-0 reduces once per step in parameter order already; its
+    accumulation boundary is set explicitly on the last microbatch (not left to DeepSpeed's
+    micro-step counter, which an iteration that failed part-way would leave shifted). A
+    failed iteration's gradients are discarded.
     """
+    microbatches = iteration_microbatches(microbatches, "deepspeed train_step")
     gas = engine.gradient_accumulation_steps()
     if len(microbatches) != gas:
         raise InvalidInput(
@@ -286,10 +250,13 @@ def train_step(
     dp = engine.dp_world_size
     count = global_loss_count(microbatches, mode, group, engine.device)
     scale = loss_scale(count, dp=dp, accumulation=gas)
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64, device=engine.device)  # reduced over group
+    before = getattr(engine, "_is_gradient_accumulation_boundary", None)
     try:
         with engine.coalesce_grad_reduction() if coalesce else contextlib.nullcontext():
-            for mb in microbatches:
+            for j, mb in enumerate(microbatches):
+                if not coalesce:  # ZeRO-0: the last microbatch reduces and updates, always
+                    engine.set_gradient_accumulation_boundary(j == len(microbatches) - 1)
                 mb = mb.to(engine.device)
                 if forward is None:
                     loss_sum, _ = engine(mb, buffer, mode=mode)
@@ -297,13 +264,17 @@ def train_step(
                     loss_sum, _ = forward(engine, mb, buffer)
                 engine.backward(loss_sum * scale)  # DeepSpeed divides by gas: scale has it
                 if not coalesce:
-                    engine.step()  # ZeRO-0: reduces and updates at the boundary microbatch
-                total += loss_sum.detach().double().cpu()
+                    engine.step()  # ZeRO-0: updates only at the boundary set above
+                total += loss_sum.detach().double()
             if coalesce:
                 _zero_fill_missing_grads(engine.optimizer)
     except BaseException:
         buffer.clear()  # a failed step's outputs (and their graphs) must not reach the next
+        _discard_gradients(engine)
         raise
+    finally:
+        if not coalesce:
+            engine.set_gradient_accumulation_boundary(before)
     buffer.check_drained(microbatches[0].iteration)
     if coalesce:
         # The flush restores the boundary flag it found on entry (runtime/engine.py:3298) and
@@ -397,6 +368,7 @@ class PipelineFeeder:
         """One iteration through ``engine.train_batch``; returns the global-batch mean loss
         (on the last stage; other stages return NaN)."""
         check_pipeline_engine(engine)
+        microbatches = iteration_microbatches(microbatches, "deepspeed pipeline")
         gas = engine.gradient_accumulation_steps()
         if len(microbatches) != gas:
             raise InvalidInput(
@@ -405,7 +377,7 @@ class PipelineFeeder:
             )
         group = engine.grid.get_data_parallel_group()
         dp = engine.grid.get_data_parallel_world_size()
-        count = global_loss_count(microbatches, self.mode, group)
+        count = global_loss_count(microbatches, self.mode, group, engine.device)
         self.scale = loss_scale(count, dp=dp, accumulation=gas)
         self.current = [mb.to(engine.device) for mb in microbatches]
         self.buffer.expect(self.current)  # deferred samples bound for one microbatch: one call
@@ -421,6 +393,7 @@ class PipelineFeeder:
         self.current = []
         if not engine.is_last_stage():
             return float("nan")
+        total = self.loss_sum.to(engine.device, copy=True)  # on the group's device
         if dp > 1:
-            torch.distributed.all_reduce(self.loss_sum, group=group)
-        return float(self.loss_sum) / count
+            torch.distributed.all_reduce(total, group=group)
+        return float(total) / count

@@ -47,6 +47,12 @@ ENCODER_TENSORS = {
     "audio": ("audio_features", "audio_lengths", "audio_sample"),
 }
 """Per encoder: its feature tensor, item sizes and item owner (``batch.py`` names)."""
+ENCODER_ITEMS = {
+    "vision": (("pixel_values", "image_sample"), ("pixel_values_videos", "video_sample")),
+    "audio": (("audio_features", "audio_sample"),),
+}
+"""Per encoder, every ``(features, owner)`` pair it takes items from: video clips are vision
+items too, as the loader service counts them (:data:`.common.ENCODER_OWNERS`)."""
 
 
 def encode_into_buffer(
@@ -74,11 +80,14 @@ def encode_into_buffer(
 
 
 def _has_items(mb: Microbatch, kind: str, keys: Sequence[str]) -> bool:
-    feats, _, owner = ENCODER_TENSORS[kind]
-    if feats not in mb or not keys:
+    if not keys:
         return False
     pos = {k: i for i, k in enumerate(mb.encoder_keys)}
-    return bool(set(mb[owner].tolist()) & {pos[k] for k in keys})
+    wanted = {pos[k] for k in keys}
+    return any(
+        feats in mb and owner in mb and set(mb[owner].tolist()) & wanted
+        for feats, owner in ENCODER_ITEMS[kind]
+    )
 
 
 def encode_uniform(

@@ -58,6 +58,8 @@ from ..plan import ParallelPlan
 from .common import (
     LOSS_MODES,
     EncoderOutputBuffer,
+    collective_device,
+    iteration_microbatches,
     loss_units,
     require_world,
     resolve_encoder_calls,
@@ -164,9 +166,13 @@ def initialize_from_plan(plan: ParallelPlan, micro_batch_size: int = 1) -> None:
 
 def packed_seq_params(mb: Microbatch) -> Any:
     """``PackedSeqParams`` (THD format) of the microbatch's packed LLM set."""
+    return _thd_params(mb["cu_seqlens"])
+
+
+def _thd_params(cu_seqlens: torch.Tensor) -> Any:
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    cu = mb["cu_seqlens"].to(torch.int32)
+    cu = cu_seqlens.to(torch.int32)
     longest = int(torch.diff(cu).max()) if cu.numel() > 1 else 0
     return PackedSeqParams(
         qkv_format="thd",
@@ -178,8 +184,10 @@ def packed_seq_params(mb: Microbatch) -> Any:
 
 
 def max_tokens(microbatches: Sequence[Microbatch]) -> int:
-    """The longest packed microbatch (``seq_length`` for the schedule's buffers)."""
-    return max(mb.num_tokens for mb in microbatches)
+    """The longest packed microbatch (``seq_length`` for the schedule's buffers); at least 1,
+    the padding token :func:`data_iterator` gives an empty microbatch."""
+    microbatches = iteration_microbatches(microbatches, "max_tokens")
+    return max(1, max(mb.num_tokens for mb in microbatches))
 
 
 def block_causal_mask(cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -202,31 +210,68 @@ def data_iterator(
     ``packed_seq_params`` (Transformer Engine attention); ``"mask"`` adds
     ``attention_mask`` from :func:`block_causal_mask` (local spec, CPU). Every
     pipeline stage of a replica iterates the same microbatches.
+
+    An empty microbatch (no LLM tokens: the assignment may leave one without
+    samples) becomes one padding token with no loss (``loss_mask`` 0): Megatron's
+    schedules run every microbatch on every stage of a pipeline, which must agree
+    on the count, and its attention cannot run on zero tokens. The padding adds
+    nothing to the loss, its count or any gradient; ``item["microbatch"]`` stays
+    the real, empty one (encoder work deferred from it still runs).
     """
     if attention not in ATTENTION_MODES:
         raise InvalidInput(
             f"data_iterator: attention {attention!r}: choose one of {', '.join(ATTENTION_MODES)}"
         )
+    # checked here, not when the schedule first pulls an item deep inside Megatron
+    return _items(
+        iteration_microbatches(microbatches, "data_iterator", ("position_ids",)), attention
+    )
+
+
+def _items(microbatches: list[Microbatch], attention: str) -> Iterator[dict[str, Any]]:
     for mb in microbatches:
-        valid = mb["labels"] != -100
+        if mb.num_tokens == 0:
+            device = mb["input_ids"].device if "input_ids" in mb else None
+            pad = torch.zeros(1, dtype=torch.int64, device=device)
+            ids, labels, positions = pad, pad - 100, pad
+            cu = torch.tensor([0, 1], dtype=torch.int32, device=device)
+        else:
+            ids, labels, positions = mb["input_ids"], mb["labels"], mb["position_ids"]
+            cu = mb["cu_seqlens"]
+        valid = labels != -100
         item = {
             "microbatch": mb,
-            "tokens": mb["input_ids"][None],
-            "labels": torch.where(valid, mb["labels"], 0)[None],
-            "position_ids": mb["position_ids"][None],
+            "tokens": ids[None],
+            "labels": torch.where(valid, labels, 0)[None],
+            "position_ids": positions[None],
             "loss_mask": valid.float()[None],
+            "cu_seqlens": cu,
         }
         if attention == "thd":
-            item["packed_seq_params"] = packed_seq_params(mb)
+            item["packed_seq_params"] = _thd_params(cu)
         else:
-            item["attention_mask"] = block_causal_mask(mb["cu_seqlens"])
+            item["attention_mask"] = block_causal_mask(cu)
         yield item
 
 
 def masked_loss_sum(per_token_loss: torch.Tensor, item: dict[str, Any]) -> torch.Tensor:
     """``loss_sum`` for :func:`make_forward_step` when the model returns per-token losses
-    (``GPTModel`` given ``labels``): the sum over the item's loss tokens."""
-    return (per_token_loss.float() * item["loss_mask"]).sum()
+    (``GPTModel`` given ``labels``), matching the count :func:`make_forward_step` reports for
+    its ``mode`` (``item["loss_mode"]``): the sum over the item's loss tokens (``token``),
+    or the sum over its samples of each one's mean token loss (``sample``)."""
+    mask = item["loss_mask"].reshape(-1)
+    loss = per_token_loss.float().reshape(-1) * mask
+    mode = item.get("loss_mode", "token")
+    if mode == "token":
+        return loss.sum()
+    if mode not in LOSS_MODES:
+        raise InvalidInput(f"loss mode {mode!r}: choose one of {', '.join(LOSS_MODES)}")
+    lengths = torch.diff(item["cu_seqlens"].long()).to(loss.device)
+    owner = torch.repeat_interleave(torch.arange(len(lengths), device=loss.device), lengths)
+    per_sum = loss.new_zeros(len(lengths)).index_add(0, owner, loss)
+    per_n = loss.new_zeros(len(lengths)).index_add(0, owner, mask.to(loss.dtype))
+    has = per_n > 0
+    return (per_sum[has] / per_n[has]).sum()
 
 
 def make_forward_step(
@@ -243,7 +288,9 @@ def make_forward_step(
     ``loss_sum(output, item)`` turns into the microbatch's loss sum; default:
     the output *is* the loss sum). ``count`` is the microbatch's loss tokens
     (or samples, ``mode="sample"``), which Megatron accumulates into the global
-    denominator. ``buffer`` carries deferred samples' encoder outputs.
+    denominator, so ``loss_sum`` must sum what ``count`` counts: the item carries
+    ``item["loss_mode"] = mode`` (:func:`masked_loss_sum` reads it). ``buffer`` carries
+    deferred samples' encoder outputs.
     """
     if mode not in LOSS_MODES:
         raise InvalidInput(f"loss mode {mode!r}: choose one of {', '.join(LOSS_MODES)}")
@@ -251,6 +298,7 @@ def make_forward_step(
 
     def forward_step(it: Iterator[dict[str, Any]], model: nn.Module) -> tuple[Any, Callable]:
         item = next(it)
+        item["loss_mode"] = mode
         output = step(item, model, buffer)
         count = loss_units(item["microbatch"], mode)
 
@@ -296,7 +344,12 @@ def finalize_per_token_grads(
 ) -> None:
     """``finalize_model_grads_func`` for models without Megatron's DDP: sum tied embedding
     gradients over the first and last stages, sum gradients over data-parallel ranks and divide
-    by the global loss count (summed over pipeline and DP)."""
+    by the global loss count (summed over pipeline and DP).
+
+    A trainable parameter with a gradient on some DP ranks only (an encoder no microbatch
+    of one replica used) gets a zero gradient on the others before the per-parameter
+    reduction, so every rank issues the same collectives; one with no gradient on any
+    rank keeps ``None`` (the optimizer skips it, as without data parallelism)."""
     from megatron.core import parallel_state
 
     if num_tokens is None:
@@ -312,12 +365,19 @@ def finalize_per_token_grads(
         dist.all_reduce(total, group=dpg)
     if int(total) <= 0:
         raise InvalidInput("finalize_per_token_grads: the global batch has no loss tokens")
-    for chunk in model:
-        for p in chunk.parameters():
-            if p.grad is None:
-                continue
-            if dist.get_world_size(dpg) > 1:
+    params = [p for chunk in model for p in chunk.parameters() if p.requires_grad]
+    if dist.get_world_size(dpg) > 1:
+        has = torch.tensor(
+            [p.grad is not None for p in params], dtype=torch.int32, device=collective_device(dpg)
+        )
+        dist.all_reduce(has, op=dist.ReduceOp.MAX, group=dpg)  # one small reduction
+        for p, anywhere in zip(params, has.tolist()):
+            if anywhere and p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if p.grad is not None:
                 dist.all_reduce(p.grad, group=dpg)
+    for p in params:
+        if p.grad is not None:
             p.grad.div_(float(total))
 
 
@@ -372,6 +432,7 @@ def prepare_iteration(
     learns each deferred sample's consumer and, with ``uniform_encoder_calls``, every
     microbatch carries the group-wide encoder calls (:mod:`entrain_data.encoder_calls`;
     ``group``: the data-parallel group, default Megatron's). Every DP rank calls it, in step."""
+    microbatches = iteration_microbatches(microbatches, "prepare_iteration")
     buffer.expect(microbatches)
     if not uniform_encoder_calls:
         return list(microbatches)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +51,7 @@ from ..plan import ParallelPlan
 from .common import (
     EncoderOutputBuffer,
     global_loss_count,
+    iteration_microbatches,
     loss_scale,
     loss_sums,
     require_world,
@@ -126,7 +127,7 @@ def accumulate_gradients(
     mode: str = "token",
     dp_group: dist.ProcessGroup | None = None,
     buffer: EncoderOutputBuffer | None = None,
-    device: torch.device | str = "cpu",
+    device: torch.device | str | None = None,
     uniform_encoder_calls: bool | None = None,
 ) -> StepResult:
     """Forward and backward every microbatch of one iteration; gradients end DP-synchronised.
@@ -137,10 +138,12 @@ def accumulate_gradients(
     ``uniform_encoder_calls``: make every rank call each encoder the same
     group-wide number of times per microbatch (:mod:`entrain_data.encoder_calls`);
     None: when FSDP2 shards a submodule on its own (per-block wrapping), which
-    all-gathers at every call. The optimizer step is the caller's.
+    all-gathers at every call. ``device``: where microbatches, loss count and loss sum go (None:
+    the model's; NCCL reduces only CUDA tensors). The optimizer step is the caller's.
     """
-    if not microbatches:
-        raise InvalidInput("accumulate_gradients: no microbatches given for this iteration")
+    microbatches = iteration_microbatches(microbatches, "accumulate_gradients")
+    if device is None:
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
     if uniform_encoder_calls is None:
         uniform_encoder_calls = fsdp_per_module(model)
     if uniform_encoder_calls:
@@ -377,6 +380,7 @@ class PipelineTrainer:
         returns the first stage's inputs (indices ``[M]``) and the labels padded with -100
         ``[M, L]`` (the last stage's target: padding carries no loss)."""
         dp = 1 if self.dp_group is None else dist.get_world_size(self.dp_group)
+        microbatches = iteration_microbatches(microbatches, "PipelineTrainer")
         self._count = global_loss_count(microbatches, self.mode, self.dp_group, self.device)
         self._scale = loss_scale(self._count, dp=dp)
         self.length = padded_length([mb.num_tokens for mb in microbatches], self.pad_multiple)
@@ -404,7 +408,9 @@ class PipelineTrainer:
     def train_step(self, microbatches: Sequence[Microbatch]) -> PipelineStepResult:
         """Forward and backward one iteration through the 1F1B schedule; the optimizer step is
         the caller's. Every pipeline rank of a replica passes the same microbatches."""
-        n = len(microbatches)
+        if isinstance(microbatches, Iterable):  # a generator is read once, here
+            microbatches = list(microbatches)
+        n = len(microbatches) if isinstance(microbatches, list) else 0
         if n < self.spec.num_stages:
             raise InvalidInput(
                 f"torch pipelining: {n} microbatches for {self.spec.num_stages} stages; "
@@ -428,7 +434,7 @@ class PipelineTrainer:
         tokens = sum(mb.num_tokens for mb in microbatches)
         count, loss = self._count, float("nan")
         if self.spec.last:
-            total = self._loss_sum.clone()
+            total = self._loss_sum.to(self.device, copy=True)  # on the group's device
             if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
                 dist.all_reduce(total, group=self.dp_group)
             loss = float(total) / count

@@ -72,9 +72,12 @@ def _zero(
     batches: list[list[SyntheticSample]] | None = None,
     touch: bool = True,
     deferral: bool = True,
+    fail_first: bool = False,
 ) -> tuple[dict, list[str]]:
     """Final parameters, and the order in which this rank's parameter gradients arrived.
-    ``deferral``: the batches defer samples on this rank (checked through the buffer)."""
+    ``deferral``: the batches defer samples on this rank (checked through the buffer).
+    ``fail_first``: before training, an iteration whose forward raises in microbatch 1 (the
+    error caught, as a job that skips a bad batch would); it must leave no trace."""
     import deepspeed
     from entrain_data.adapters.common import EncoderOutputBuffer
     from entrain_data.adapters.deepspeed import deepspeed_config, train_step
@@ -92,11 +95,30 @@ def _zero(
     for name, p in model.named_parameters():
         p.register_post_accumulate_grad_hook(lambda _, name=name: order.append(name))
     buffer = EncoderOutputBuffer(4096)
+    if fail_first:
+        _failed_iteration(engine, rank, world, microbatches, buffer)
     for it, batch in enumerate(batches or global_batches(STEPS)):
         mbs = replica_microbatches(batch, it, world, microbatches)[rank]
         assert train_step(engine, mbs, buffer=buffer) > 0
     assert buffer.peak_tokens > 0 or microbatches == 1 or not deferral, "no deferral"
+    assert engine.global_steps == STEPS, engine.global_steps
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, order
+
+
+def _failed_iteration(
+    engine: object, rank: int, world: int, microbatches: int, buffer: object
+) -> None:
+    from entrain_data.adapters.deepspeed import train_step
+
+    def failing(engine: object, mb: object, buf: object) -> object:
+        if mb.microbatch == 1:
+            raise RuntimeError("bad sample in microbatch 1")
+        return engine(mb, buf)
+
+    batch = global_batches(1, seed=50)[0]  # not one of the batches trained on
+    mbs = replica_microbatches(batch, 0, world, microbatches)[rank]
+    with pytest.raises(RuntimeError, match="bad sample"):
+        train_step(engine, mbs, forward=failing, buffer=buffer)
 
 
 def _pipe(rank: int, world: int, dynamic: bool) -> dict:
@@ -142,6 +164,8 @@ def _ds_rank(rank: int, world: int, out: str) -> None:
     results = {
         "zero0": _zero(rank, world, 0)[0],
         "zero1": _zero(rank, world, 1)[0],
+        "zero0-failed": _zero(rank, world, 0, fail_first=True)[0],
+        "zero2-failed": _zero(rank, world, 2, fail_first=True)[0],
         "zero2": zero2,
         "zero2-order": zero2_order,
         "zero2-gas1": _zero(rank, world, 2, microbatches=1)[0],
@@ -163,10 +187,12 @@ def ds_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("run", ["zero0", "zero1", "zero2-gas1"])
+@pytest.mark.parametrize("run", ["zero0", "zero1", "zero2-gas1", "zero0-failed", "zero2-failed"])
 def test_zero_balanced_equals_unbalanced(ds_results: list[dict], run: str) -> None:
     """ZeRO-0 and ZeRO-1 with 3 variable-size microbatches per replica (deferral, accumulation);
-    ZeRO-2 with one microbatch per replica (replicas of different sizes)."""
+    ZeRO-2 with one microbatch per replica (replicas of different sizes). ``-failed``: after
+    an iteration that raised in its second microbatch (ZeRO-0 used to count that iteration's
+    microbatches toward the next boundary, stepping mid-iteration from then on)."""
     want = reference_params(global_batches(STEPS))
     for rank in range(2):
         assert_params_close(ds_results[rank][run], want)

@@ -9,7 +9,6 @@ the adapter depends on it.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
@@ -115,16 +114,23 @@ def _mcore_rank(rank: int, world: int, out: str) -> None:
         state = {k.removeprefix("mllm."): v.detach().clone() for k, v in model.state_dict().items()}
         if rank == 0:
             torch.save(state, out)
+        _unused_param_step(rank, config, f"{out}.unused.{rank}")
     finally:
         parallel_state.destroy_model_parallel()
 
 
-@pytest.mark.timeout(200)
-def test_megatron_schedule_balanced_equals_unbalanced(tmp_path: Path) -> None:
-    """Megatron-Core's forward_backward_func (dp=2) with per-token loss matches one process."""
-    out = tmp_path / "mcore.pt"
+@pytest.fixture(scope="module")
+def mcore_results(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One spawn (dp=2) for the tests below; the path its ranks wrote under."""
+    out = tmp_path_factory.mktemp("mcore") / "mcore.pt"
     run_ranks(_mcore_rank, str(out), timeout=180)
-    assert_params_close(torch.load(out), reference_params(global_batches(STEPS)))
+    return str(out)
+
+
+@pytest.mark.timeout(200)
+def test_megatron_schedule_balanced_equals_unbalanced(mcore_results: str) -> None:
+    """Megatron-Core's forward_backward_func (dp=2) with per-token loss matches one process."""
+    assert_params_close(torch.load(mcore_results), reference_params(global_batches(STEPS)))
 
 
 def test_settings_from_plan() -> None:
@@ -179,3 +185,118 @@ def test_loss_func_returns_sum_and_count() -> None:
     assert count == int(n) and abs(total - float(loss_sum)) < 1e-3
     with pytest.raises(InvalidInput, match="loss mode"):
         make_forward_step(lambda *a: None, mode="mean")
+
+
+@pytest.mark.parametrize("mode", ["token", "sample"])
+def test_masked_loss_sum_follows_the_mode(mode: str) -> None:
+    """With per-token losses from the model (GPTModel given labels), ``masked_loss_sum`` sums
+    what ``make_forward_step`` counts: per-sample means in ``sample`` mode, so Megatron's
+    sum(loss_sum) / sum(count) is the global batch's per-sample mean."""
+    from entrain_data.adapters.common import loss_sums
+    from entrain_data.adapters.megatron import data_iterator, make_forward_step, masked_loss_sum
+
+    mbs = replica_microbatches(global_batches(1)[0], 0, 1, MICROBATCHES)[0]
+    torch.manual_seed(0)
+    logits = {mb.microbatch: torch.randn(mb.num_tokens, 48) for mb in mbs}
+
+    def step(item: dict, model: object, buf: object) -> torch.Tensor:
+        out = logits[item["microbatch"].microbatch]
+        return nn.functional.cross_entropy(out, item["labels"][0], reduction="none")[None]
+
+    fwd = make_forward_step(step, mode=mode, loss_sum=masked_loss_sum)
+    it = data_iterator(mbs, attention="mask")
+    total, count, want_total, want_count = 0.0, 0, 0.0, 0
+    for mb in mbs:
+        out, loss_func = fwd(it, None)
+        s, n, _ = loss_func(out)
+        total, count = total + float(s), count + int(n)
+        ws, wn = loss_sums(logits[mb.microbatch], mb["labels"], mb["cu_seqlens"], mode)
+        want_total, want_count = want_total + float(ws), want_count + int(wn)
+    assert count == want_count
+    assert total / count == pytest.approx(want_total / want_count, rel=1e-6)
+
+
+def test_data_iterator_pads_an_empty_microbatch() -> None:
+    """An empty microbatch becomes one padding token without loss: every pipeline stage still
+    runs it (Megatron's attention cannot take zero tokens) and it adds nothing."""
+    from entrain_data.adapters.megatron import data_iterator, make_forward_step, max_tokens
+    from entrain_data.adapters.reference_model import pack_microbatch
+
+    samples = {s.key: s for s in global_batches(1)[0]}
+    keys = list(samples)
+    mbs = [
+        pack_microbatch(samples, keys[:3], keys[:3], microbatch=0),
+        pack_microbatch(samples, [], [], microbatch=1),
+    ]
+    assert mbs[1].num_tokens == 0 and max_tokens(mbs[1:]) == 1
+    for attention in ("mask", "thd"):
+        item = list(data_iterator(mbs, attention=attention))[1]
+        assert item["microbatch"] is mbs[1]
+        assert item["tokens"].shape == item["labels"].shape == item["position_ids"].shape == (1, 1)
+        assert float(item["loss_mask"].sum()) == 0.0
+    fwd = make_forward_step(lambda item, m, buf: item["tokens"].float().sum() * 0)
+    it = data_iterator(mbs[1:], attention="mask")
+    out, loss_func = fwd(it, None)
+    assert int(loss_func(out)[1]) == 0
+
+
+def _unused_param_step(rank: int, config: object, out: str) -> None:
+    """One iteration in which replica 0 alone has audio and the model has no dummy touch, so
+    rank 1's audio encoder has no gradient at all when finalize_per_token_grads reduces."""
+    from entrain_data.adapters.common import EncoderOutputBuffer
+    from entrain_data.adapters.megatron import data_iterator, make_forward_step, max_tokens
+    from entrain_data.adapters.reference_model import pack_microbatch
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    model = _MegatronWrapped(config)
+    model.mllm.dummy_touch = lambda: 0.0
+    mine = _split_by_audio()[rank]
+    mbs = [
+        pack_microbatch({s.key: s for s in mine}, [s.key], [s.key], microbatch=j)
+        for j, s in enumerate(mine)
+    ]
+    get_forward_backward_func()(
+        forward_step_func=make_forward_step(
+            lambda item, m, buf: m.mllm(item["microbatch"], buf)[0], buffer=EncoderOutputBuffer()
+        ),
+        data_iterator=data_iterator(mbs),
+        model=[model],
+        num_microbatches=len(mbs),
+        seq_length=max_tokens(mbs),
+        micro_batch_size=1,
+    )
+    grads = {
+        k.removeprefix("mllm."): None if p.grad is None else p.grad.clone()
+        for k, p in model.named_parameters()
+    }
+    torch.save(grads, out)
+
+
+def _split_by_audio() -> list[list]:
+    """Two replicas' samples (3 each): the first's all with audio, the second's all without."""
+    from entrain_data.adapters.reference_model import synthetic_samples
+
+    pool = synthetic_samples(24, seed=5, prefix="u")
+    audio = [s for s in pool if s.audio.shape[0] > 0][:3]
+    plain = [s for s in pool if s.audio.shape[0] == 0][:3]
+    assert len(audio) == len(plain) == 3
+    return [audio, plain]
+
+
+@pytest.mark.timeout(200)
+def test_finalize_reduces_a_gradient_present_on_one_rank_only(mcore_results: str) -> None:
+    """Without the zero fill, rank 0 all-reduces the audio encoder's gradients while rank 1
+    skips them: mismatched collectives (a gloo error or a hang)."""
+    from entrain_data.adapters.reference_model import pack_microbatch
+
+    samples = [s for part in _split_by_audio() for s in part]
+    model = make_model()
+    model.dummy_touch = lambda: 0.0
+    keys = [s.key for s in samples]
+    loss_sum, count = model(pack_microbatch({s.key: s for s in samples}, keys, keys))
+    (loss_sum / count).backward()
+    for rank in range(2):
+        got = torch.load(f"{mcore_results}.unused.{rank}")
+        for name, p in model.named_parameters():
+            assert got[name] is not None, f"rank {rank}: {name} has no gradient"
+            torch.testing.assert_close(got[name], p.grad, rtol=1e-4, atol=1e-6)

@@ -15,6 +15,7 @@ from entrain_data.adapters.common import (
 )
 from entrain_data.adapters.reference_model import pack_microbatch
 
+from entrain_data.batch import Microbatch
 from entrain_data.errors import InvalidInput
 
 _one_thread = pytest.fixture(autouse=True)(one_thread)
@@ -142,3 +143,48 @@ def test_group_iterations() -> None:
     groups = list(group_iterations(iter(mbs)))
     assert [len(g) for g in groups] == [3, 3]
     assert [g[0].iteration for g in groups] == [0, 1]
+
+
+def _video_microbatches() -> list[Microbatch]:
+    """Sample "v" (one video clip, no image) encoded in microbatch 0, consumed in 1; "t" text."""
+
+    def ids(*x: int) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.int64)
+
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    mb0 = Microbatch(0, 0, 0, 0, ["v", "t"], ["t"], {
+        "input_ids": ids(5, 6, 7), "labels": ids(6, 7, -100), "position_ids": ids(0, 1, 2),
+        "cu_seqlens": cu, "pixel_values_videos": torch.zeros(4, 12),
+        "video_grid_thw": ids(1, 2, 2).reshape(1, 3), "video_sample": ids(0),
+    })  # fmt: skip
+    mb1 = Microbatch(0, 0, 1, 0, [], ["v"], {
+        "input_ids": ids(1, 1, 1), "labels": ids(-100, 5, -100), "position_ids": ids(0, 1, 2),
+        "cu_seqlens": cu,
+    })  # fmt: skip
+    return [mb0, mb1]
+
+
+def test_video_items_are_vision_calls() -> None:
+    """The loader service counts video clips as the vision encoder's items; the adapters'
+    all-reduce fallback and the encoder-call check must agree with it."""
+    import numpy as np
+    from entrain_data.adapters.common import local_call_groups, resolve_encoder_calls
+    from entrain_data.adapters.encoding import encode_uniform
+
+    from entrain_data.assignment import Assignment
+    from entrain_data.encoder_calls import ENCODER_CALLS_KEY, encoder_calls
+
+    mbs = _video_microbatches()
+    assert local_call_groups(mbs, ["vision", "audio"])[0, 1].tolist() == [1, 0]
+    fallback = resolve_encoder_calls(mbs)
+    a = Assignment(
+        "entrain", 1, 2, [[np.array([0, 1]), np.array([], dtype=np.int64)]],
+        [[np.array([1]), np.array([0])]],
+    )  # fmt: skip
+    uses = {"vision": np.array([True, False]), "audio": np.array([False, False])}
+    service = encoder_calls(a, uses)[0]
+    assert fallback[0].meta[ENCODER_CALLS_KEY] == service
+    buffer = EncoderOutputBuffer()
+    buffer.expect(mbs)
+    with pytest.raises(InvalidInput, match="no vision call for consumer 1.*vision items"):
+        encode_uniform(make_model(), mbs[0], buffer, {"vision": [0], "audio": []})
