@@ -27,7 +27,9 @@ class ModuleFit:
     """Fitted scales of one module and how well they fit.
 
     ``constant`` is seconds per measured call (one forward, or one step, of a
-    microbatch through the whole module), not per sample.
+    microbatch through the whole module), not per sample; the planner charges it to every
+    microbatch on the stages holding the module, by their share of its layers
+    (:func:`~entrain_data.plan_time.stage_overheads`).
     """
 
     linear: float = 1.0

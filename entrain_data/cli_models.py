@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +32,8 @@ __all__ = [
     "cmd_profile",
     "model_spec_from_args",
     "add_model_arguments",
+    "output_path",
+    "write_output",
 ]
 
 
@@ -66,7 +70,9 @@ def calibration_from_args(args: argparse.Namespace) -> Calibration | None:
     if not p.is_file():
         raise InvalidInput(f"calibration file not found: {p}")
     try:
-        d = json.loads(p.read_text())
+        d = json.loads(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise InvalidInput(f"{p}: not a UTF-8 JSON calibration file ({exc.reason})") from exc
     except json.JSONDecodeError as exc:
         raise InvalidInput(f"{p}: not valid JSON ({exc.msg} at line {exc.lineno})") from exc
     return Calibration.from_dict(d.get("calibration", d) if isinstance(d, dict) else d)
@@ -139,6 +145,8 @@ def cmd_synth(args: argparse.Namespace) -> int:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     """Macro-profile an index under a model and print the table."""
+    png = output_path(args.png, "--png") if args.png else None
+    out = output_path(args.json, "--json") if args.json else None
     table = read_index(args.index)
     spec = model_spec_from_args(args)
     prof = macro_profile(
@@ -150,22 +158,54 @@ def cmd_profile(args: argparse.Namespace) -> int:
         calibration=calibration_from_args(args),
     )
     print(prof.format_table())
-    if args.png:
-        print(f"plot: {prof.plot(args.png)}")
-    if args.json:
-        out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(prof.to_json(include_batches=not args.no_batches))
+    if png is not None:
+        write_output(png, "--png", prof.plot)
+        print(f"plot: {png}")
+    if out is not None:
+        text = prof.to_json(include_batches=not args.no_batches)
+        write_output(out, "--json", lambda p: p.write_text(text))
         print(f"profile: {out}")
     sys.stdout.flush()
     return 0
 
 
+def output_path(path: str | Path, what: str) -> Path:
+    """``path`` once it is known to be writable (its nearest existing folder writable, no
+    file in the way, not a folder itself): checked before the work, so a typo in ``-o``
+    costs a one-line error, not a finished plan or fit thrown away."""
+    out = Path(path)
+    if out.is_dir():
+        raise InvalidInput(f"{what} {out}: is a folder, give a file path")
+    parent = out.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise InvalidInput(f"{what} {out}: cannot write there, {parent} is not a folder")
+    target = out if out.exists() else parent
+    if not os.access(target, os.W_OK):
+        raise InvalidInput(f"{what} {out}: cannot write there ({target} is not writable)")
+    return out
+
+
+def write_output(path: Path, what: str, write: Callable[[Path], object]) -> None:
+    """Run ``write(path)`` (parents created) and say an OS failure as one line."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(path)
+    except OSError as exc:
+        raise InvalidInput(f"{what} {path}: cannot write ({exc.strerror or exc})") from exc
+
+
 def _read_measurements(path: Path) -> list[dict]:
+    """The JSON lines of a measurements file, each field checked and named as FILE:LINE."""
     if not path.is_file():
         raise InvalidInput(f"measurements file not found: {path}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidInput(f"{path}: not UTF-8 JSON lines ({exc.reason})") from exc
     rows = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
+    for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -176,6 +216,19 @@ def _read_measurements(path: Path) -> list[dict]:
             raise InvalidInput(
                 f"{path}:{i}: expected an object with 'module', 'seconds' and 'keys'"
             )
+        secs, keys = d["seconds"], d["keys"]
+        if not isinstance(d["module"], str):
+            raise InvalidInput(f"{path}:{i}: field 'module' must be a string, got {d['module']!r}")
+        if isinstance(secs, bool) or not isinstance(secs, (int, float)) or not secs > 0:
+            raise InvalidInput(f"{path}:{i}: field 'seconds' must be a number > 0, got {secs!r}")
+        if not isinstance(keys, list) or not keys or any(isinstance(k, (list, dict)) for k in keys):
+            raise InvalidInput(
+                f"{path}:{i}: field 'keys' must be a non-empty list of sample keys, got {keys!r}"
+            )
+        if d.get("phase", "forward") not in ("forward", "step"):
+            raise InvalidInput(
+                f"{path}:{i}: field 'phase' must be 'forward' or 'step', got {d['phase']!r}"
+            )
         rows.append(d)
     if not rows:
         raise InvalidInput(f"{path}: no measurements")
@@ -184,6 +237,7 @@ def _read_measurements(path: Path) -> list[dict]:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Fit the cost model to measured times (JSON lines: module, seconds, keys[, phase]) and save it."""
+    out = output_path(args.output, "calibration")
     table = read_index(args.index)
     spec = model_spec_from_args(args)
     rows = _read_measurements(Path(args.measurements))
@@ -195,6 +249,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         if missing:
             raise InvalidInput(
                 f"{args.measurements}:{i}: key {missing[0]!r} is not in {args.index}"
+            )
+        if d["module"] != "llm" and d["module"] not in spec.module_names + (spec.llm.name,):
+            raise InvalidInput(
+                f"{args.measurements}:{i}: field 'module' is {d['module']!r}, not a module of "
+                f"the model (have {', '.join(spec.module_names)})"
             )
         g, s = by_module.setdefault((str(d["module"]), str(d.get("phase", "forward"))), ([], []))
         g.append([row_of[str(k)] for k in d["keys"]])
@@ -209,9 +268,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             f"{name:<26} {f.phase:<8} {f.linear:8.4f} {f.quadratic:9.4f} {f.constant:10.5f} "
             f"{f.rel_rms:8.2%} {f.r2:7.4f} {f.n:>5}"
         )
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(cal.to_dict(), indent=2))
+    text = json.dumps(cal.to_dict(), indent=2)
+    write_output(out, "calibration", lambda p: p.write_text(text))
     print(f"calibration: {out}")
     return 0
 

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import replace
-from pathlib import Path
 
-from .cli_models import add_model_arguments, calibration_from_args, model_spec_from_args
+from .cli_models import (
+    add_model_arguments,
+    calibration_from_args,
+    model_spec_from_args,
+    output_path,
+    write_output,
+)
+from .errors import InvalidInput
 from .metadata import read_index
 from .plan import SHARDING, Cluster, ParallelPlan
 from .planner import RECOMPUTE, make_plan
@@ -62,6 +68,9 @@ def format_plan(plan: ParallelPlan) -> str:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Plan, print and save."""
+    out = output_path(args.output, "plan")
+    if args.max_delay < 0:  # before the search, not after it
+        raise InvalidInput(f"--max-delay (max_delay) must be >= 0, got {args.max_delay}")
     table = read_index(args.index)
     spec = model_spec_from_args(args)
     cal = calibration_from_args(args)
@@ -92,7 +101,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.max_delay:
         plan = replace(plan, max_delay=args.max_delay)
     print(format_plan(plan))
-    out = plan.save(Path(args.output))
+    write_output(out, "plan", plan.save)
     print(f"plan: {out}")
     return 0
 

@@ -114,7 +114,9 @@ class SampleCosts:
     encoder_layers: tuple[int, ...]
     llm_layers: int
     module_names: tuple[str, ...]
-    encoder_call_overhead: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [E] s per call
+    # calibrated fixed forward seconds per call (one microbatch through the whole module; a
+    # ``step`` fit's constant split as the module's compute is, forward : backward = 1 : bwd)
+    encoder_call_overhead: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [E]
     llm_call_overhead: float = 0.0
 
     def __len__(self) -> int:
@@ -182,6 +184,24 @@ class SampleCosts:
         if last:
             fwd = fwd + self.encoder_head_fwd[:, module]
         return fwd, fwd * float(self.encoder_bwd_factor[module])
+
+    def call_overhead(
+        self, module: int | None, layer_start: int, layer_end: int
+    ) -> tuple[float, float]:
+        """(forward, backward) seconds per microbatch of a stage holding layers
+        ``[layer_start, layer_end)`` of ``module`` (encoder column, None: the LLM): the
+        calibrated per-call constant in proportion to the layers held (launches and
+        synchronisation are per layer), backward times the module's backward factor."""
+        if module is None:
+            per_call, n_layers, bwd = self.llm_call_overhead, self.llm_layers, self.llm_bwd_factor
+        else:
+            if not 0 <= module < len(self.encoder_call_overhead):
+                return 0.0, 0.0
+            per_call = float(self.encoder_call_overhead[module])
+            n_layers = self.encoder_layers[module]
+            bwd = float(self.encoder_bwd_factor[module])
+        f = per_call * (layer_end - layer_start) / max(1, n_layers)
+        return f, f * bwd
 
 
 @dataclass(frozen=True)
@@ -304,6 +324,14 @@ def _scale(fit: ModuleFit | None) -> tuple[float, float]:
     return (1.0, 1.0) if fit is None else (fit.linear, fit.quadratic)
 
 
+def _forward_constant(fit: ModuleFit | None, bwd_factor: float) -> float:
+    """A fit's per-call constant as forward seconds: a ``step`` fit measured forward +
+    backward, which :meth:`SampleCosts.call_overhead` splits again as ``1 : bwd_factor``."""
+    if fit is None:
+        return 0.0
+    return fit.constant / (1.0 + bwd_factor) if fit.phase == "step" else fit.constant
+
+
 def per_sample_costs(
     table: SampleTable,
     model: ModelSpec,
@@ -327,7 +355,7 @@ def per_sample_costs(
         full.append(a * p.linear_layer + b * p.attn_full)
         emb.append(a * p.embed)
         head.append(a * p.head)
-        over.append(fit.constant if fit else 0.0)
+        over.append(_forward_constant(fit, 0.0 if cfg.frozen else 2.0))
     masks = tuple(p.window_mask for p in enc)
     win_m, full_m = col(win), col(full)
     n_win = np.array([m.sum() for m in masks], dtype=np.float64)
@@ -362,7 +390,7 @@ def per_sample_costs(
         llm_layers=model.llm.layers,
         module_names=model.module_names,
         encoder_call_overhead=np.array(over, dtype=np.float64),
-        llm_call_overhead=lfit.constant if lfit else 0.0,
+        llm_call_overhead=_forward_constant(lfit, 1.0 if model.llm.frozen else 2.0),
     )
 
 

@@ -156,7 +156,13 @@ def plan_from_costs(
         raise InvalidInput(
             f"global batch {global_batch} is larger than the dataset ({len(tokens)})"
         )
-    cap, budget = _caps(np.asarray(tokens, dtype=np.int64), dp, microbatches, global_batch)
+    tokens = np.asarray(tokens, dtype=np.int64)
+    if len(tokens) and tokens.max() < 1:
+        raise InvalidInput(
+            "every sample has 0 tokens: cost_fn(i) -> (encoder_cost, llm_cost, tokens) must "
+            "give each sample its LLM tokens (what the loss runs on), at least one"
+        )
+    cap, budget = _caps(tokens, dp, microbatches, global_batch)
     return ParallelPlan(
         world_size=dp,
         gpus_per_node=min(gpus_per_node, dp),

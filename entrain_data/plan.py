@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field, replace
+import math
+from dataclasses import MISSING, Field, asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -16,6 +17,7 @@ import numpy as np
 
 from .cost_columns import column_shares, group_columns, share_columns
 from .errors import InvalidInput, PlanError
+from .plan_checks import check_plan_fields, check_plan_model, check_segment, plan_kwargs
 from .presets import ModelSpec
 
 __all__ = [
@@ -53,8 +55,9 @@ class Cluster:
             if not isinstance(v, int) or v < 1:
                 raise InvalidInput(f"cluster: {f} must be a positive integer, got {v!r}")
         for f in ("gpu_memory_gb", "intra_node_gbps", "inter_node_gbps"):
-            if not getattr(self, f) > 0:
-                raise InvalidInput(f"cluster: {f} must be > 0, got {getattr(self, f)!r}")
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+                raise InvalidInput(f"cluster: {f} must be a finite number > 0, got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -73,10 +76,7 @@ class StageSegment:
     last: bool
 
     def __post_init__(self) -> None:
-        if not 0 <= self.layer_start <= self.layer_end:
-            raise InvalidInput(
-                f"stage segment {self.module!r}: bad layer range [{self.layer_start}, {self.layer_end})"
-            )
+        check_segment(f"stage segment {self.module!r}", self)
 
     @property
     def kind(self) -> str:
@@ -144,16 +144,17 @@ class StagePlan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StagePlan:
+        """The stage of :meth:`to_dict` (fields typed and named when bad)."""
+        from .plan_checks import plan_kwargs
+
         try:
-            segs = tuple(StageSegment(**s) for s in d["segments"])
-            return cls(
-                int(d["index"]),
-                segs,
-                float(d.get("expected_load", 0.0)),
-                bool(d.get("recompute", False)),
-            )
-        except (KeyError, TypeError) as exc:
-            raise InvalidInput(f"plan: malformed stage entry ({exc})") from exc
+            return plan_kwargs({"stages": [d]}, set(), StageSegment, cls)["stages"][0]
+        except InvalidInput as exc:
+            raise type(exc)(f"plan: {exc}") from exc
+
+
+def _required(f: Field) -> bool:
+    return f.default is MISSING and f.default_factory is MISSING
 
 
 class RankCoords(NamedTuple):
@@ -232,20 +233,14 @@ class ParallelPlan:
     schema_version: int = PLAN_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stages", tuple(self.stages))
-        object.__setattr__(self, "memory_gb", tuple(self.memory_gb))
-        for f in ("world_size", "dp", "tp", "pp", "microbatches", "global_batch", "max_tokens"):
+        for f in ("stages", "memory_gb"):
             v = getattr(self, f)
-            if not isinstance(v, int) or v < 1:
-                raise InvalidInput(f"plan: field {f!r} must be a positive integer, got {v!r}")
-        for f in ("max_encoder_patches", "max_delay"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise InvalidInput(f"plan: field {f!r} must be an integer >= 0, got {v!r}")
-        if not isinstance(self.defer_budget, int) or self.defer_budget < 0:
-            raise InvalidInput(
-                f"plan: field 'defer_budget' must be an integer >= 0, got {self.defer_budget!r}"
-            )
+            if isinstance(v, (str, bytes)) or not hasattr(v, "__iter__"):
+                raise InvalidInput(f"plan: field {f!r} must be a list, got {v!r}")
+            object.__setattr__(self, f, tuple(v))
+        if not all(isinstance(st, StagePlan) for st in self.stages):
+            raise InvalidInput("plan: field 'stages' must hold StagePlan entries")
+        check_plan_fields(self)
         if self.dp * self.tp * self.pp != self.world_size:
             raise PlanError(
                 f"plan: dp*tp*pp = {self.dp}*{self.tp}*{self.pp} != world_size {self.world_size}"
@@ -260,11 +255,12 @@ class ParallelPlan:
             raise InvalidInput(
                 f"plan: field 'sharding' is {self.sharding!r}, choose one of {', '.join(SHARDING)}"
             )
-        self._check_stage_shares()
         if self.schema_version > PLAN_SCHEMA_VERSION:
             raise InvalidInput(
                 f"plan: schema version {self.schema_version} is newer than this package's ({PLAN_SCHEMA_VERSION})"
             )
+        check_plan_model(self)
+        self._check_stage_shares()
 
     def _check_stage_shares(self) -> None:
         """``stage_shares`` as tuples of floats, [pp][encoders + 1], each column summing to 1
@@ -274,11 +270,15 @@ class ParallelPlan:
         group."""
         from .assignment.common import check_stage_shares
 
-        if self.stage_shares is None or np.size(self.stage_shares) == 0:
+        try:
+            shape = np.shape(self.stage_shares)
+        except ValueError:  # ragged rows: check_stage_shares names them
+            shape = (-1,)
+        if self.stage_shares is None or 0 in shape:
             object.__setattr__(self, "stage_shares", ())
             return
         groups = self.encoder_groups()
-        n_enc, width = sum(len(g) for g in groups), np.shape(self.stage_shares)[-1]
+        n_enc, width = sum(len(g) for g in groups), shape[-1] if shape else -1
         try:
             e = len(groups) if width == len(groups) + 1 else n_enc  # a group-wise plan
             sh = check_stage_shares(self.stage_shares, e, self.pp)
@@ -453,21 +453,13 @@ class ParallelPlan:
     def from_dict(cls, d: dict[str, Any], origin: str = "<plan>") -> ParallelPlan:
         if not isinstance(d, dict):
             raise InvalidInput(f"{origin}: a plan must be a JSON object")
-        missing = [
-            k
-            for k in ("dp", "tp", "pp", "stages", "microbatches", "max_tokens", "defer_budget")
-            if k not in d
-        ]
+        missing = [k for k, f in cls.__dataclass_fields__.items() if _required(f) and k not in d]
         if missing:
             raise InvalidInput(f"{origin}: plan is missing field(s) {', '.join(missing)}")
-        known = set(cls.__dataclass_fields__)
-        kwargs = {k: v for k, v in d.items() if k in known}
-        kwargs["stages"] = tuple(StagePlan.from_dict(s) for s in d["stages"])
-        kwargs["memory_gb"] = tuple(d.get("memory_gb", ()))
         try:
-            return cls(**kwargs)
-        except TypeError as exc:
-            raise InvalidInput(f"{origin}: malformed plan ({exc})") from exc
+            return cls(**plan_kwargs(d, set(cls.__dataclass_fields__), StageSegment, StagePlan))
+        except InvalidInput as exc:  # PlanError stays PlanError
+            raise type(exc)(f"{origin}: {exc}") from exc
 
     @classmethod
     def from_json(cls, text: str, origin: str = "<plan>") -> ParallelPlan:
@@ -491,4 +483,8 @@ class ParallelPlan:
         path = Path(path)
         if not path.is_file():
             raise InvalidInput(f"plan file not found: {path}")
-        return cls.from_json(path.read_text(), origin=str(path))
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidInput(f"{path}: not a UTF-8 JSON plan ({exc.reason})") from exc
+        return cls.from_json(text, origin=str(path))

@@ -16,6 +16,14 @@ plus activations of the microbatches in flight on stage s
 layer (Korthikanti et al. 2022, with flash attention); plus the deferral buffer
 on the stage that receives encoder outputs. With full recomputation only each
 layer's bf16 input is kept, plus one layer's working set.
+
+LM-head logits on the stage holding the LLM's last layer (its head): a microbatch at the
+token cap makes ``max_tokens x vocab / tp`` logits, the largest single tensor of a small-LLM
+step (Llama 3.2 1B at 65k tokens: 15.7 GB in bf16). The adapters' loss
+(``adapters/common.py``, ``loss_sums``) runs ``F.cross_entropy(logits.float(), ...)``, so
+its forward peak holds the bf16 logits, their fp32 copy and the fp32 log-softmax (2 + 4 + 4
+bytes per logit, :data:`LOGIT_BYTES`); the log-softmax stays saved for the backward of every
+microbatch in flight (1F1B: one on the last stage; GPipe: all M).
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ from .presets import ModelSpec
 
 __all__ = [
     "ACT_BYTES_PER_TOKEN_LAYER",
+    "LOGIT_BYTES",
+    "logits_bytes",
     "layer_units",
     "split_chain",
     "stages_for",
@@ -38,6 +48,9 @@ __all__ = [
 ]
 
 ACT_BYTES_PER_TOKEN_LAYER = 34.0  # x hidden / tp
+LOGIT_BYTES = (2.0, 4.0, 4.0)
+"""Per logit at the loss: bf16 logits, their fp32 copy (the loss upcasts), fp32 log-softmax
+(saved for backward, so held per microbatch in flight)."""
 
 SHARDED_BYTES = {
     "none": (18.0, 0.0),
@@ -167,6 +180,17 @@ def stage_params(model: ModelSpec, st: StagePlan) -> tuple[float, float]:
     return train, frozen
 
 
+def logits_bytes(model: ModelSpec, st: StagePlan, tp: int, inflight: int, max_tokens: int) -> float:
+    """Bytes of LM-head logits and loss tensors on stage ``st`` (0 unless it holds the LM head):
+    one microbatch's transient bf16 logits and fp32 copy, plus the saved fp32 log-softmax of
+    each of the ``inflight`` microbatches (see the module docstring)."""
+    if not any(seg.encoder_index is None and seg.last for seg in st.segments):
+        return 0.0
+    bf16, copy, saved = LOGIT_BYTES
+    per_logit = bf16 + copy + saved * max(1, inflight)
+    return float(max_tokens) * model.llm.vocab * per_logit / tp
+
+
 def memory_gb(
     model,
     stages,
@@ -185,7 +209,8 @@ def memory_gb(
     ``recompute``: one flag for every stage, or one per stage.
 
     GPipe keeps the activations of all M microbatches on every stage; 1F1B at
-    most S - s on stage s.
+    most S - s on stage s. The stage with the LM head also holds the logits and the loss's
+    fp32 tensors (:func:`logits_bytes`).
     """
     pp = len(stages)
     params = params if params is not None else [stage_params(model, st) for st in stages]
@@ -215,6 +240,7 @@ def memory_gb(
             else:
                 act += n_layers * layer
         total = weights + act * inflight + peak_layer
+        total += logits_bytes(model, st, tp, inflight, max_tokens)
         if s == receives_encoder_output:
             total += defer_budget * model.llm.hidden * 2
         out.append(total / 2**30)

@@ -14,9 +14,9 @@ from .errors import InvalidInput, PlanError
 from .plan import Cluster, StagePlan
 from .plan_layout import stage_params
 from .plan_time import (
-    OVERHEAD_PER_MICROBATCH,
     gather_times,
     group_bandwidth,
+    stage_overheads,
     sync_time,
     tp_speedup,
 )
@@ -232,7 +232,7 @@ def simulate(ctx: PlanContext, chosen, costs, idx, seed, schedule) -> tuple[list
         gather = gather_times(params, c.tp, c.dp, ctx.cluster, c.sharding)
         f, bw = np.maximum(f, gather), np.maximum(bw, gather)
         mb_tokens = set_loads(a.llm_sets, tok[b]) if c.pp > 1 else None
-        f, bw = _add_comm(f, bw, c, ctx, mb_tokens)
+        f, bw = _add_comm(f, bw, c, ctx, mb_tokens, stage_overheads(costs, c.stages, c.recompute))
         sims[ci, k] = simulate_pipeline(f, bw, schedule).iteration_time + sync
         means_fb[ci].append((f.mean(axis=(0, 1)), bw.mean(axis=(0, 1)), sync))
 
@@ -265,10 +265,14 @@ def ideal(per_batch: list, m: int, schedule: str) -> float:
     return float(np.mean(times))
 
 
-def _add_comm(f, b, c: Candidate, ctx: PlanContext, mb_tokens: np.ndarray | None) -> tuple:
-    """Per-microbatch overhead and activation transfer across stage boundaries."""
-    f = f + OVERHEAD_PER_MICROBATCH
-    b = b + OVERHEAD_PER_MICROBATCH
+def _add_comm(
+    f, b, c: Candidate, ctx: PlanContext, mb_tokens: np.ndarray | None, overheads: tuple
+) -> tuple:
+    """Per-microbatch overhead (``overheads``: [S] forward and backward seconds,
+    :func:`~entrain_data.plan_time.stage_overheads`) and activation transfer across stage
+    boundaries."""
+    f = f + overheads[0]
+    b = b + overheads[1]
     if c.pp == 1:
         return f, b
     bw = group_bandwidth(ctx.cluster, c.tp * c.pp)

@@ -14,6 +14,11 @@ communication for each sharding (stated so it can be checked and calibrated).
   backward (FSDP / ZeRO-3 resharding after forward), overlapped with that microbatch's compute
   (prefetch; a microbatch lasts max(compute, gather)), plus one reduce-scatter per iteration.
   None of the per-iteration collectives is overlapped with compute.
+- per-call overhead of a stage, per microbatch, forward and backward alike:
+  ``OVERHEAD_PER_MICROBATCH`` (the pipeline schedule's step: launch, p2p handshake) plus the
+  calibrated constant of every module segment it holds (:meth:`SampleCosts.call_overhead`,
+  measured on whole-module calls, so not part of the fixed step cost); a recomputing stage
+  pays its forward's again in backward (:func:`stage_overheads`);
 - bandwidth per GPU: the cluster's ``intra_node_gbps`` when the group fits in one node, else
   ``inter_node_gbps`` (Cluster defaults: 450 GB/s NVLink, 50 GB/s = 400 Gb/s InfiniBand).
 """
@@ -21,10 +26,15 @@ communication for each sharding (stated so it can be checked and calibrated).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .plan import Cluster
+from .plan import Cluster, StagePlan
+
+if TYPE_CHECKING:
+    from .cost_model import SampleCosts
 
 __all__ = [
     "TP_EFFICIENCY",
@@ -34,6 +44,7 @@ __all__ = [
     "group_bandwidth",
     "sync_time",
     "gather_times",
+    "stage_overheads",
 ]
 
 TP_EFFICIENCY = 0.9  # compute efficiency kept per doubling of tensor parallelism
@@ -74,3 +85,19 @@ def gather_times(
         return np.zeros(len(params))
     bw = group_bandwidth(cluster, tp * dp)
     return np.array([(dp - 1) / dp * (t + f) * 2 / tp / bw for t, f in params])
+
+
+def stage_overheads(
+    costs: SampleCosts | None, stages: Sequence[StagePlan], recompute: Sequence[bool] = ()
+) -> tuple[np.ndarray, np.ndarray]:
+    """([S] forward, [S] backward) fixed seconds every microbatch pays on each stage (see the
+    module docstring); ``costs`` None: the fixed step cost alone."""
+    f = np.full(len(stages), OVERHEAD_PER_MICROBATCH)
+    b = f.copy()
+    for s, st in enumerate(stages):
+        for seg in st.segments if costs is not None else ():
+            fs, bs = costs.call_overhead(seg.encoder_index, seg.layer_start, seg.layer_end)
+            f[s] += fs
+            b[s] += bs
+    rc = np.asarray(list(recompute) or [False] * len(stages), dtype=bool)
+    return f, b + np.where(rc, f - OVERHEAD_PER_MICROBATCH, 0.0)

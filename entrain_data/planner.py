@@ -43,10 +43,10 @@ from .plan_scoring import (
     to_simulate,
 )
 from .plan_time import (
-    OVERHEAD_PER_MICROBATCH,
     RECOMPUTE_SLOWDOWN,
     gather_times,
     group_bandwidth,
+    stage_overheads,
     sync_time,
     tp_speedup,
 )
@@ -85,15 +85,19 @@ def _recomputed(mode: str, need: tuple[bool, ...]) -> tuple[bool, ...]:
     return {"always": (True,) * n, "never": (False,) * n}.get(mode, need)
 
 
-def _analytic(stages, tp, dp, m, cluster, model, mean_tokens_mb, params, rc, sharding) -> float:
-    """``(M + S - 1)`` x the slowest stage's mean microbatch (+ p2p, + weight gathers not
-    hidden by compute), plus the per-iteration DP collectives."""
+def _analytic(
+    stages, tp, dp, m, cluster, model, mean_tokens_mb, params, rc, sharding, costs=None
+) -> float:
+    """``(M + S - 1)`` x the slowest stage's mean microbatch (+ weight gathers not hidden by
+    compute, + its forward and backward call overheads as the simulation adds them, + p2p),
+    plus the per-iteration DP collectives."""
     loads = np.array([st.expected_load for st in stages]) / (dp * m) / tp_speedup(tp)
     loads = loads * np.where(rc, RECOMPUTE_SLOWDOWN, 1.0)
     loads = np.maximum(loads, 2 * gather_times(params, tp, dp, cluster, sharding))
+    over_f, over_b = stage_overheads(costs, stages, rc)
     pp = len(stages)
     p2p = 2 * mean_tokens_mb * model.llm.hidden * 2 / group_bandwidth(cluster, tp * pp)
-    per_mb = loads.max() + (p2p if pp > 1 else 0.0) + OVERHEAD_PER_MICROBATCH
+    per_mb = (loads + over_f + over_b).max() + (p2p if pp > 1 else 0.0)
     return (m + pp - 1) * per_mb + sync_time(params, tp, dp, cluster, sharding)
 
 
@@ -175,7 +179,7 @@ def make_plan(
         _order(tok[idx], tok_order),
         _order(patches[idx], pt_order),
     )
-    cands, smallest_need = _candidates(
+    cands, smallest_need, cap_short = _candidates(
         ctx,
         layer_units(model, costs, idx),
         dp,
@@ -185,12 +189,11 @@ def make_plan(
         schedule,
         shardings,
         recompute,
+        costs,
     )
     if not cands:
-        if max_tokens is not None:
-            raise pinned_cap_error(
-                max_tokens, cap_need(ctx, dp or 1, microbatches or 1), dp, microbatches
-            )
+        if cap_short is not None and smallest_need is math.inf:
+            raise pinned_cap_error(max_tokens, *cap_short, microbatches is not None)
         if smallest_need is math.inf and dp and microbatches and dp * microbatches > global_batch:
             raise PlanError(
                 f"global batch {global_batch} < dp {dp} x microbatches {microbatches}: every "
@@ -326,16 +329,45 @@ def _enc_tokens(costs: SampleCosts, idx: np.ndarray) -> np.ndarray:
     return costs.encoder_tokens.sum(axis=1)[idx]
 
 
+def _microbatch_counts(pp: int, per_replica: int) -> list[int]:
+    """Microbatch counts searched for ``pp`` stages and ``per_replica`` samples per replica:
+    pp, 2pp, 4pp, 8pp, and where the batch cannot fill all of those, also the most it can
+    (one sample each), so a small global batch on a deep pipeline still gets a plan (fewer
+    microbatches than stages is a valid 1F1B, with a larger bubble)."""
+    ms = {pp, 2 * pp, 4 * pp, 8 * pp}
+    if 1 <= per_replica < 8 * pp:
+        ms.add(per_replica)
+    return sorted(m for m in ms if m <= per_replica)
+
+
+def _tp_split_error(model: ModelSpec, tp: int) -> str | None:
+    """Why ``tp`` cannot shard some module's attention (None when it can shard all of them).
+
+    tp applies to every stage, so it must split the heads of every encoder as well as the
+    LLM's (Megatron shards each attention by heads); KV heads either split evenly or, fewer
+    than tp, are replicated (tp a multiple of them)."""
+    for mod in (*model.encoders, model.llm):
+        if mod.heads % tp or (mod.kv_heads % tp and tp % mod.kv_heads):
+            who = "the LLM" if mod is model.llm else f"encoder {mod.name!r}"
+            return (
+                f"tp={tp} does not split the {mod.heads} attention heads ({mod.kv_heads} KV "
+                f"heads) of {who} evenly; choose a tp that divides them"
+            )
+    return None
+
+
 def _candidates(
-    ctx: PlanContext, units, dp, tp, pp, microbatches, schedule, shardings, recompute
-) -> tuple[list[Candidate], float]:
-    """Every layout meeting the pins whose memory fits, with its analytic time."""
+    ctx: PlanContext, units, dp, tp, pp, microbatches, schedule, shardings, recompute, costs
+) -> tuple[list[Candidate], float, tuple[int, int, int] | None]:
+    """Every layout meeting the pins whose memory fits, with its analytic time; the least
+    memory any layout needs; (tokens, dp, microbatches) of the layout a pinned cap falls
+    least short of, None when the cap ruled out none."""
     model, cluster, world = ctx.model, ctx.cluster, ctx.cluster.world_size
     gb = ctx.global_batch
     tps = [
         t
         for t in (1, 2, 4, 8, 16)
-        if t <= cluster.gpus_per_node and world % t == 0 and model.llm.heads % t == 0
+        if t <= cluster.gpus_per_node and world % t == 0 and _tp_split_error(model, t) is None
     ]
     if tp is not None:
         if world % tp or tp > cluster.gpus_per_node:
@@ -343,17 +375,16 @@ def _candidates(
                 f"tp={tp} must divide the {world} GPUs and fit in a node of "
                 f"{cluster.gpus_per_node} GPUs"
             )
-        if model.llm.heads % tp or model.llm.kv_heads % tp and tp % model.llm.kv_heads:
-            raise PlanError(
-                f"tp={tp} does not split the LLM's {model.llm.heads} attention heads "
-                f"({model.llm.kv_heads} KV heads) evenly"
-            )
+        why = _tp_split_error(model, tp)
+        if why:
+            raise PlanError(why)
         tps = [tp]
     if pp is not None and pp > len(units):
         raise PlanError(f"pp={pp} exceeds the model's {len(units)} layers")
     n_enc_layers = sum(x.layers for x in model.encoders)
     cands: list[Candidate] = []
     smallest_need = math.inf
+    cap_short: tuple[int, int, int] | None = None
     limit = MEMORY_HEADROOM * cluster.gpu_memory_gb
     stage_cache: dict[tuple[int, int], tuple[StagePlan, ...] | None] = {}
     params_cache: dict[tuple[int, int], list[tuple[float, float]]] = {}
@@ -365,7 +396,7 @@ def _candidates(
             d = world // (t * p)
             if (dp is not None and d != dp) or gb % d:
                 continue
-            ms = [microbatches] if microbatches is not None else sorted({p, 2 * p, 4 * p, 8 * p})
+            ms = [microbatches] if microbatches is not None else _microbatch_counts(p, gb // d)
             ms = [mm for mm in ms if gb >= d * mm]
             for k in range(0, min(p - 1, n_enc_layers) + 1):
                 if (p, k) not in stage_cache:
@@ -378,8 +409,12 @@ def _candidates(
                 params = params_cache[p, k]
                 for mm in ms:
                     cap, budget = caps(ctx, d, mm)
-                    if ctx.max_tokens is not None and cap < cap_need(ctx, d, mm):
-                        continue  # a pinned cap this layout's microbatches cannot serve
+                    need = cap_need(ctx, d, mm) if ctx.max_tokens is not None else 0
+                    if ctx.max_tokens is not None and cap < need:
+                        # a pinned cap this layout's microbatches cannot serve: remember the
+                        # least need, what the refusal quotes
+                        cap_short = min(cap_short or (need, d, mm), (need, d, mm))
+                        continue
                     enc_tokens = patch_cap(ctx, d, mm)  # what the memory model holds
                     mean_tokens = ctx.tokens_b.sum(axis=1).mean() / (d * mm)
                     for sh in shardings:
@@ -392,9 +427,9 @@ def _candidates(
                         if max(mem) > limit:
                             continue
                         at = _analytic(
-                            stages, t, d, mm, cluster, model, mean_tokens, params, rc, sh
+                            stages, t, d, mm, cluster, model, mean_tokens, params, rc, sh, costs
                         )
                         cands.append(Candidate(t, p, d, mm, stages, mem, at, rc, k, sh))
     # equal times: the distributed optimizer (what plans assumed before), then less memory
     cands.sort(key=lambda c: (c.analytic_time, c.sharding != "optimizer", max(c.memory_gb)))
-    return cands, smallest_need
+    return cands, smallest_need, cap_short

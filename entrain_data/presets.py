@@ -11,6 +11,7 @@ same fields instead of a preset name.
 from __future__ import annotations
 
 import json
+import math
 import numbers
 from dataclasses import asdict, dataclass, field, fields, replace
 from importlib import resources
@@ -24,6 +25,7 @@ __all__ = ["ModuleConfig", "ModelSpec", "list_presets", "load_module", "KINDS", 
 KINDS = ("vision", "audio", "llm")
 RESIZE_POLICIES = ("fixed", "dynamic", "tiles")
 PROJECTORS = ("none", "linear", "mlp2x", "merger")
+_SHAPE_FIELDS = ("hidden", "layers", "ffn", "heads", "kv_heads")
 
 
 @dataclass(frozen=True)
@@ -89,16 +91,11 @@ class ModuleConfig:
     source: str = ""
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.kind not in KINDS:
             raise InvalidInput(
                 f"module {self.name!r}: field 'kind' must be one of {KINDS}, got {self.kind!r}"
             )
-        for f in ("hidden", "layers", "ffn", "heads", "kv_heads"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or v < 1:
-                raise InvalidInput(
-                    f"module {self.name!r}: field {f!r} must be a positive integer, got {v!r}"
-                )
         if self.heads % self.kv_heads:
             raise InvalidInput(
                 f"module {self.name!r}: 'heads' ({self.heads}) is not a multiple of 'kv_heads' ({self.kv_heads})"
@@ -160,6 +157,40 @@ class ModuleConfig:
             raise InvalidInput(
                 f"module {self.name!r}: 'full_attention_layers' {bad} outside 0..{self.layers - 1}"
             )
+
+    def _check_types(self) -> None:
+        """Every field has its declared type (JSON ``true`` is no integer, ``"3136"`` no
+        number) and every count is >= 0, so a bad config names its field here instead of
+        failing in a comparison or, worse, planning with a negative window."""
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name in ("audio_conv_stride", "audio_pool"):
+                continue  # whole numbers, checked below for audio modules
+            if f.type == "int":
+                low = 1 if f.name in _SHAPE_FIELDS else 0
+                ok = isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= low
+                want = "a positive integer" if low else "an integer >= 0"
+            elif f.type == "float":
+                ok = isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+                want = "a finite number"
+            elif f.type == "bool":
+                ok, want = isinstance(v, bool), "true or false"
+            elif f.type == "str":
+                ok, want = isinstance(v, str), "a string"
+            elif f.type.startswith("tuple["):
+                item_int = "int" in f.type
+                ok = isinstance(v, tuple) and all(
+                    not isinstance(x, bool)
+                    and isinstance(x, numbers.Integral if item_int else numbers.Real)
+                    for x in v
+                )
+                want = "a list of integers" if item_int else "a list of numbers"
+            else:  # pragma: no cover - every field's type is one of the above
+                continue
+            if not ok:
+                raise InvalidInput(
+                    f"module {self.name!r}: field {f.name!r} must be {want}, got {v!r}"
+                )
 
     # ------------------------------------------------------------------ shape
     @property
@@ -237,15 +268,15 @@ class ModuleConfig:
         if missing:
             raise InvalidInput(f"{origin}: missing field(s) {', '.join(map(repr, missing))}")
         d = dict(d)
-        d["full_attention_layers"] = tuple(int(i) for i in d.get("full_attention_layers", ()))
-        for f in ("image_mean", "image_std"):
-            if f in d:
-                try:
-                    d[f] = tuple(float(x) for x in d[f])
-                except (TypeError, ValueError) as exc:
-                    raise InvalidInput(f"{origin}: field {f!r} must be a list of numbers") from exc
+        for f in ("full_attention_layers", "image_mean", "image_std"):
+            if f in d:  # JSON lists become tuples; the items are checked in __post_init__
+                if not isinstance(d[f], (list, tuple)):
+                    raise InvalidInput(f"{origin}: field {f!r} must be a list, got {d[f]!r}")
+                d[f] = tuple(d[f])
         try:
             return cls(**d)
+        except InvalidInput as exc:
+            raise InvalidInput(f"{origin}: {exc}") from exc
         except TypeError as exc:  # pragma: no cover - guarded by the field checks above
             raise InvalidInput(f"{origin}: {exc}") from exc
 
@@ -351,7 +382,10 @@ def load_module(name_or_path: str | Path) -> ModuleConfig:
             )
         if not p.is_file():
             raise InvalidInput(f"model config file not found: {s}")
-        text = p.read_text()
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidInput(f"model config {s}: not a UTF-8 JSON file ({exc.reason})") from exc
         origin = str(p)
     try:
         d = json.loads(text)

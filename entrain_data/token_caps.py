@@ -126,10 +126,19 @@ def check_token_cap(keys: Sequence, tok: np.ndarray, max_tokens: int | None) -> 
         )
 
 
-def pinned_cap_error(max_tokens: int, need: int, dp: int | None, m: int | None) -> PlanError:
-    """Why a pinned token cap fits no layout: said at plan time, not mid-epoch."""
+def pinned_cap_error(
+    max_tokens: int, need: int, dp: int, m: int, microbatches_pinned: bool
+) -> PlanError:
+    """Why a pinned token cap fits no layout, said at plan time, not mid-epoch: ``need`` is the
+    least any searched layout needs (at ``dp`` replicas of ``m`` microbatches, the most
+    microbatches the search tried unless the user pinned them)."""
+    where = (
+        f"at dp={dp} with the pinned microbatches={m}"
+        if microbatches_pinned
+        else f"even at the most microbatches searched (dp={dp}, microbatches={m})"
+    )
     return PlanError(
         f"max_tokens {max_tokens}: a heavy global batch of this index needs up to {need} LLM "
-        f"tokens per microbatch at dp={dp or 1}, microbatches={m or 1}, and no layout with more "
-        "microbatches fits either; raise max_tokens or pin more microbatches"
+        f"tokens per microbatch {where}; raise max_tokens to at least {need} or pin more "
+        "microbatches"
     )

@@ -59,9 +59,11 @@ def test_default_lets_the_planner_choose_and_prints_its_choice(index, tmp_path, 
 
 
 def test_recompute_never_refuses_a_model_that_needs_it(table):
-    # 8 GB GPUs: the 1B LLM's weights fit on 4 pipeline stages, its activations only recomputed
+    # 12 GB GPUs: the 1B LLM's weights fit on 4 pipeline stages, its activations only
+    # recomputed (was 8 GB before the memory model counted the last stage's LM-head logits
+    # and fp32 loss tensors, ~7.7 GB at this token cap, which no recomputation frees)
     kw = dict(batches=2, seed=0, dp=2, pp=4, tp=1, microbatches=8)
-    small = Cluster(8, gpu_memory_gb=8.0)
+    small = Cluster(8, gpu_memory_gb=12.0)
     plan = make_plan(table, SPEC, small, 64, recompute="stage", **kw)
     assert any(s.recompute for s in plan.stages)
     assert not all(s.recompute for s in plan.stages) or len(plan.stages) == 1

@@ -87,3 +87,9 @@ def test_plan_for_coco_sizes_prices_like_an_index(shared_data):
         plan_for_dataset(4, dp=2, global_batch=2)
     with pytest.raises(InvalidInput, match="needs a model"):
         plan_for_dataset(4, dp=2, global_batch=2, sizes_fn=sizes)
+
+
+def test_a_cost_fn_whose_tokens_are_all_zero_is_named():
+    """It failed as "plan: field 'max_tokens' must be a positive integer, got 0"."""
+    with pytest.raises(InvalidInput, match=r"every sample has 0 tokens: cost_fn\(i\)"):
+        plan_from_costs(np.zeros(16, dtype=np.int64), dp=2, global_batch=8)

@@ -63,8 +63,11 @@ def _serve_every_batch(table, plan, seed: int, epochs: int, spec: ModelSpec = SP
 )
 def test_plan_serves_every_batch_of_its_index(workload, samples, batch, microbatches):
     table = synthesize(workload, samples, seed=3)
+    # 192 GB GPUs: these few-microbatch layouts carry up to ~80k LLM tokens per microbatch,
+    # whose LM-head logits and fp32 loss tensors outgrow an 80 GB GPU (the memory model counts
+    # them); the test is about the token caps serving every batch, not about memory
     plan = make_plan(
-        table, SPEC, Cluster(2, 2, 80.0), batch, dp=2, tp=1, pp=1, microbatches=microbatches
+        table, SPEC, Cluster(2, 2, 192.0), batch, dp=2, tp=1, pp=1, microbatches=microbatches
     )
     assert _serve_every_batch(table, plan, seed=11, epochs=4) >= 4
 
@@ -137,6 +140,22 @@ def test_pinned_cap_too_small_for_a_heavy_batch_is_refused_at_plan_time():
             microbatches=1,
             max_tokens=int(tok.max()),
         )
+
+
+def test_pinned_cap_refusal_says_which_microbatches_it_tried():
+    """The refusal said "no layout with more microbatches fits either" when the user had pinned
+    them (none was tried), and blamed the cap when memory was what ruled the layouts out."""
+    table = synthesize("text-heavy", 200, seed=1)
+    tok = per_sample_costs(table, SPEC).llm_tokens
+    kw = dict(dp=2, tp=1, pp=1, max_tokens=int(tok.max()))
+    with pytest.raises(PlanError, match="pinned microbatches=1; raise max_tokens to at least"):
+        make_plan(table, SPEC, Cluster(2, 2, 80.0), 32, microbatches=1, **kw)
+    with pytest.raises(PlanError, match=r"even at the most microbatches searched \(dp=2, micro"):
+        make_plan(table, SPEC, Cluster(2, 2, 80.0), 4, **kw)
+    # a cap that serves the batch on a GPU too small for the model: memory is the reason
+    with pytest.raises(PlanError, match="GB per GPU") as err:
+        make_plan(table, SPEC, Cluster(2, 2, 4.0), 32, microbatches=8, **kw)
+    assert "max_tokens" not in str(err.value)
 
 
 def test_cli_plan_max_tokens(tmp_path):
