@@ -189,8 +189,9 @@ class Connection:
         self.tcp.setsockopt(zmq.LINGER, 0)
         self.tcp.curve_server = True
         self.tcp.curve_publickey, self.tcp.curve_secretkey = pub, sec
-        wildcard = host in ("*", "0.0.0.0", "", "[::]")
-        where = "tcp://*" if wildcard else f"tcp://{host}"
+        wildcard = host in ("*", "0.0.0.0", "", "[::]", "::")
+        v6 = host in ("[::]", "::")  # every interface, both families (IPv4 mapped)
+        where = "tcp://[::]" if v6 else "tcp://*" if wildcard else f"tcp://{host}"
         family_for(self.tcp, where)
         try:
             port = self.tcp.bind_to_random_port(where)

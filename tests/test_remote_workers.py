@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -18,7 +19,7 @@ from _dist import free_port
 from test_service import assert_exactly_once, close_all, make_index_plan, make_shards
 
 from entrain_data.client import EntrainLoader
-from entrain_data.errors import InvalidInput
+from entrain_data.errors import InvalidInput, SampleError
 from entrain_data.metadata import read_index
 
 pytestmark = pytest.mark.timeout(240)
@@ -178,3 +179,75 @@ def _wait_for(condition, proc: subprocess.Popen, seconds: float = 60) -> None:
         if time.monotonic() > deadline:
             pytest.fail(f"timed out waiting:\n{_said([proc])}")
         time.sleep(0.2)
+
+
+class _SlowSource:
+    """A remote worker's source whose one microbatch takes longer than the service's silence."""
+
+    def identity(self) -> str:
+        return "slow"
+
+    def make_packer(self):
+        def pack(encoder_rows, llm_rows):
+            time.sleep(2.5)
+            raise SampleError("slow and broken", source="s.tar", key="k")
+
+        return pack
+
+
+@pytest.mark.slow  # a 2.5 s task, then 3 s of heartbeats
+def test_a_task_longer_than_the_silence_is_no_silence():
+    """The silence clock ran through a long task (no heartbeats while packing), so the worker
+    quit with "no word from the service" the moment it finished, its service alive."""
+    from entrain_data.workers.worker import run_remote_worker
+
+    from entrain_data import protocol
+
+    ctx = zmq.Context()
+    svc = ctx.socket(zmq.ROUTER)
+    svc.setsockopt(zmq.LINGER, 0)
+    port = svc.bind_to_random_port("tcp://127.0.0.1")
+    seen: list[str] = []
+    task = {"task": 1, "epoch": 0, "iteration": 0, "microbatch": 0, "replica": 0,
+            "encoder_rows": [0], "llm_rows": [0]}  # fmt: skip
+
+    def service() -> None:  # answers as the coordinator does, stops the worker 3 s after
+        stop_at = None
+        while stop_at is None or time.monotonic() < stop_at:
+            if not svc.poll(100):
+                continue
+            ident, *frames = svc.recv_multipart()
+            kind = protocol.decode(frames).kind
+            seen.append(kind)
+            if kind == "ready":
+                svc.send_multipart([ident, *protocol.encode("task", task)])
+            if kind in ("ready", "heartbeat"):
+                svc.send_multipart([ident, *protocol.encode("heartbeat", {"silence": 2.0})])
+            if kind == "failed":
+                stop_at = time.monotonic() + 3.0
+        svc.send_multipart([ident, *protocol.encode("stop")])
+
+    thread = threading.Thread(target=service, daemon=True)
+    thread.start()
+    try:
+        run_remote_worker(f"tcp://127.0.0.1:{port}", _SlowSource(), name="slow")  # no raise
+        assert seen[:2] == ["ready", "failed"] and "heartbeat" in seen
+    finally:
+        thread.join(10)
+        svc.close()
+        ctx.term()
+
+
+def test_a_microbatch_lost_to_silent_workers_is_not_called_poison():
+    """A remote worker dropped for silence may only be slow: three such drops of one
+    microbatch stopped the service as if the microbatch killed its workers."""
+    from entrain_data.workers.production import POISON_LOSSES, Flight, Production
+
+    prod = Production(window=4, end_pos=100)
+    for tid in range(POISON_LOSSES):
+        prod.in_flight[tid] = Flight((0, 5), [], False, remote=True)
+        assert prod.lost([tid], {}, died=False) == []
+    for tid in range(10, 10 + POISON_LOSSES):
+        prod.in_flight[tid] = Flight((0, 5), [], False)
+        doomed = prod.lost([tid], {})
+    assert doomed == [(0, 5)]  # deaths still do

@@ -199,10 +199,11 @@ class Coordinator:
                     self._on_client(front, frames)
             if self._stop:
                 break  # a signal arrived: do not restart workers that it may have stopped
-            lost = pool.reap()
-            if lost:
+            lost, silent = pool.reap()
+            self.production.lost(silent, self.ranks, died=False)
+            if lost or silent:
                 doomed = self.production.lost(lost, self.ranks)
-                self.counters.tasks_reissued += len(lost)
+                self.counters.tasks_reissued += len(lost) + len(silent)
                 for key in doomed:  # assigned: ahead holds it
                     self._fail(
                         front, poison_error(key, self.shape, self.ahead.slot(*key), self.keys)

@@ -183,12 +183,15 @@ class WorkerPool:
             s.bytes += nbytes
             s.samples += samples
 
-    def reap(self) -> list[int]:
-        """Restart every dead worker; returns the task ids it held (to re-issue).
+    def reap(self) -> tuple[list[int], list[int]]:
+        """Restart every dead worker; returns the task ids dead workers held and those silent
+        remote workers held (to re-issue; only a death counts against a microbatch, a silence
+        may be a slow build).
 
         A worker that dies before ``ready`` twice in a row sets :attr:`fatal` instead.
         """
         lost: list[int] = []
+        silent: list[int] = []
         now = time.monotonic()
         for s in [s for s in self.slots if s.process is None]:
             if now - s.last_seen > self.remote_timeout:  # silent: presumed dead, not restarted
@@ -198,7 +201,7 @@ class WorkerPool:
                     now - s.last_seen,
                     len(s.outstanding),
                 )
-                lost.extend(sorted(s.outstanding))
+                silent.extend(sorted(s.outstanding))
                 self.slots.remove(s)
         for i, s in enumerate(self.slots):
             if s.process is None or s.process.is_alive():
@@ -226,7 +229,7 @@ class WorkerPool:
             self.restarts += 1
             self._deaths.append(time.monotonic())
             self.slots[i] = self._spawn(s.index, s.generation + 1)
-        return lost
+        return lost, silent
 
     def recent_restarts(self, window: float = RESTART_WINDOW) -> int:
         """Restarts within the last ``window`` seconds: a multi-day run that loses a worker

@@ -288,16 +288,17 @@ class Production:
                     r.sent_remote.add(pos)
         return flight
 
-    def lost(self, tids: list[int], by_rank: dict[int, RankState]) -> list[Key]:
-        """Tasks whose worker died: whatever they were to bring is needed again. Returns the
-        microbatches lost :data:`POISON_LOSSES` times (every worker that builds them dies)."""
+    def lost(self, tids: list[int], by_rank: dict[int, RankState], died: bool = True) -> list[Key]:
+        """Tasks whose worker died (or, ``died=False``, fell silent): whatever they were to bring
+        is needed again. Returns the microbatches lost :data:`POISON_LOSSES` times to deaths
+        (every worker that builds them dies)."""
         doomed = []
         for tid in tids:
             flight = self._settle(tid, by_rank, set())
             if flight is not None:
                 self.queue.appendleft(flight.key)
-                self.losses[flight.key] += 1
-                if self.losses[flight.key] >= POISON_LOSSES:
+                self.losses[flight.key] += died
+                if died and self.losses[flight.key] >= POISON_LOSSES:
                     doomed.append(flight.key)
         return doomed
 

@@ -76,8 +76,9 @@ _UNREACHABLE_NAMES = frozenset(
     {"ClientConnectorError", "EndpointConnectionError", "ConnectTimeoutError"}
 )
 _DROPPED_NAMES = frozenset(
-    {"ServerDisconnectedError", "ClientPayloadError", "ConnectionClosedError", "ReadTimeoutError"}
+    {"ServerDisconnectedError", "ClientPayloadError", "ConnectionClosedError"}
 )
+# A timeout is not retried: the backend's own (aiohttp's 300 s) would be waited out again.
 
 
 def is_remote(path: str | os.PathLike) -> bool:
@@ -145,7 +146,7 @@ def failure_kind(exc: BaseException) -> str:
     ):
         return "unreachable"
     if names & _DROPPED_NAMES or any(
-        isinstance(e, (ConnectionResetError, ConnectionAbortedError, BrokenPipeError, TimeoutError))
+        isinstance(e, (ConnectionResetError, ConnectionAbortedError, BrokenPipeError))
         for e in chain
     ):
         return "transient"

@@ -49,9 +49,10 @@ log = logging.getLogger(__name__)
 
 _POLL_MS = 500
 SILENCE_S = 60.0
-"""A remote worker that hears nothing from its service this long (the service answers every
-heartbeat, and says how long it waits for a silent worker: twice that replaces this) stops
-with an error: the service died, or the CURVE key or address is wrong."""
+"""A remote worker idle this long with no word from its service (which answers every heartbeat
+and says how long to wait: twice its own wait for a silent worker) stops with an error: the
+service died. The rule starts with the first answer, so a worker may start before its service
+(a key the service refuses is told at once by the handshake watch)."""
 
 
 def run_worker(
@@ -153,7 +154,7 @@ def _serve_tasks(
     identity = getattr(source, "identity", lambda: None)() if heartbeat else None
     ready = {"pid": os.getpid(), "source": identity, "remote": heartbeat}
     sock.send_multipart(protocol.encode("ready", ready))
-    heard, silence = time.monotonic(), SILENCE_S
+    heard, silence = time.monotonic(), None  # no rule before the first answer (a slow start)
     while True:
         if not sock.poll(_POLL_MS):
             if watch is not None and watch.refused():
@@ -161,7 +162,7 @@ def _serve_tasks(
                     f"{label}: the loader service refused the encryption handshake: "
                     "is --curve-server-key its public key?"
                 )
-            if heartbeat and time.monotonic() - heard > silence:
+            if heartbeat and silence is not None and time.monotonic() - heard > silence:
                 raise WorkerDied(
                     f"{label}: no word from the service for {silence:.0f}s: it stopped, or "
                     "is unreachable from here (address, firewall, --curve-server-key)"
@@ -182,7 +183,7 @@ def _serve_tasks(
         if msg.kind == "stop":
             return
         if msg.kind == "heartbeat":
-            silence = _positive(msg.header.get("silence"), silence)
+            silence = _positive(msg.header.get("silence"), SILENCE_S)
             continue
         if msg.kind == "error":  # refused (another index): say why, do not exit as if done
             raise error_from_fields(msg.header, prefix=f"{label}: the service refused it: ")
@@ -192,6 +193,7 @@ def _serve_tasks(
         if not _send(sock, _run_task(packer, msg.header, out), gone) and not heartbeat:
             log.warning("%s: coordinator gone, exiting", label)
             return
+        heard = time.monotonic()  # a long task is no silence: the clock runs while idle
 
 
 def _positive(value: Any, default: float) -> float:
