@@ -82,6 +82,7 @@ def test_direct_route_carries_every_byte_and_the_coordinator_none(tmp_path, data
     assert _stream(mixed) == direct
 
 
+@pytest.mark.slow  # 15-26 s on 2 cores (the default run stays near 10 minutes)
 def test_a_rank_holds_at_most_its_prefetch(tmp_path, dataset):
     svc = start(tmp_path, dataset, make_plan(), workers=2)
     loader = EntrainLoader(svc.endpoint, 0, prefetch=2, timeout=30)
@@ -168,6 +169,7 @@ def _tensor_parallel_plan() -> ParallelPlan:
     return ParallelPlan.from_dict(plan)
 
 
+@pytest.mark.slow  # 15-26 s on 2 cores (the default run stays near 10 minutes)
 def test_tensor_parallel_peers_share_one_copy_in_shared_memory(tmp_path, dataset):
     source = CustomSource(
         PixelPacker(TarTextPacker(str(dataset))), TextCosts(str(dataset)), IndexKeys(str(dataset))

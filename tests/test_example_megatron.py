@@ -36,6 +36,7 @@ def _example_rank(rank: int, world: int, out_dir: str) -> None:
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.slow  # 15-26 s on 2 cores (the default run stays near 10 minutes)
 def test_megatron_example_trains_on_two_stages(tmp_path: Path) -> None:
     run_ranks(_example_rank, str(tmp_path), timeout=180)
     first, last = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))

@@ -79,6 +79,7 @@ def test_worker_dying_inside_a_task_gets_its_task_reissued(tmp_path, dataset):
         svc.close()
 
 
+@pytest.mark.slow  # 15-26 s on 2 cores (the default run stays near 10 minutes)
 def test_coordinator_gone_every_client_raises_within_its_timeout(tmp_path, dataset):
     svc = start(tmp_path, dataset, make_plan())
     loaders = [EntrainLoader(svc.endpoint, r, prefetch=1, timeout=30) for r in (0, 1)]
@@ -112,6 +113,7 @@ def _raw(endpoint):
     return s
 
 
+@pytest.mark.slow  # 15-26 s on 2 cores (the default run stays near 10 minutes)
 def test_garbage_foreign_version_and_unknown_peers_are_rejected_service_keeps_serving(
     tmp_path, dataset
 ):

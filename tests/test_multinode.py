@@ -102,6 +102,7 @@ def test_services_of_one_job_with_different_seeds_are_refused_on_every_rank(tmp_
         assert "disagree" in text and "same plan, seed" in text
 
 
+@pytest.mark.slow  # 15-26 s on 2 cores (the default run stays near 10 minutes)
 def test_a_dp4_checkpoint_resumes_under_dp2_with_nothing_lost_or_repeated(tmp_path):
     """In the default run (15 s): the direct route once dropped the resumed iteration's first
     microbatch (the rank kept the checkpoint's position, not the one the service gave it)."""

@@ -98,6 +98,7 @@ def test_without_delay_every_sample_stays_in_its_iteration(costs):
         assert sorted(enc.tolist()) == sorted(rows.tolist())
 
 
+@pytest.mark.slow  # 15-26 s on 2 cores (the default run stays near 10 minutes)
 def test_service_serves_a_plan_with_bounded_delay_exactly_once(tmp_path):
     from dataclasses import replace
 

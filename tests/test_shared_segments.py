@@ -203,6 +203,7 @@ def _consume(endpoint, keep, direct=True):
             ld.close()
 
 
+@pytest.mark.slow  # 15-26 s on 2 cores (the default run stays near 10 minutes)
 def test_segments_are_reused_and_carry_what_the_coordinator_route_does(tmp_path):
     index = make_shards(tmp_path, shards=4, per_shard=48)  # 192 samples, 48 microbatches a rank
     plan = make_plan()
