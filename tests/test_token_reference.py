@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import io
 import itertools
-import tarfile
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +20,7 @@ from entrain_data.workers import decode
 from entrain_data.workers.index_builder import build_index
 from entrain_data.workers.packing import make_packer
 from entrain_data.workers.transforms import AudioTransform, VisionTransform
+from test_index_builder import write_shard
 
 from entrain_data.batch import normalize_pixels
 from entrain_data.errors import InvalidInput, SampleError
@@ -132,16 +131,6 @@ def test_aspect_over_200_is_refused_as_the_processor_refuses_it():
     assert VisionTransform(load_module("siglip-so400m")).target_size(1, 201) == (384, 384)
 
 
-def _shard(path: Path, samples: dict[str, dict[str, bytes]]) -> Path:
-    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
-        for key, members in samples.items():
-            for ext, data in members.items():
-                info = tarfile.TarInfo(f"{key}.{ext}")
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
-    return path
-
-
 def _png(h: int, w: int) -> bytes:
     buf = io.BytesIO()
     Image.new("RGB", (w, h), (9, 99, 199)).save(buf, format="PNG")
@@ -149,7 +138,7 @@ def _png(h: int, w: int) -> bytes:
 
 
 def test_aspect_over_200_at_serve_names_the_sample_and_skips(tmp_path):
-    shard = _shard(
+    shard = write_shard(
         tmp_path / "a.tar",
         {"ok": {"png": _png(40, 60), "txt": b"fine"}, "strip": {"png": _png(1, 300), "txt": b"x"}},
     )
