@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import shutil
 import tempfile
 import time
 import warnings
@@ -33,6 +32,7 @@ from .errors import (
     error_fields,
     error_from_fields,
 )
+from .owned_dirs import drop_owned_dir, make_owned_dir
 from .shared_batch import SegmentReader
 from .tcp import HandshakeWatch, family_for, outward_address
 
@@ -161,7 +161,7 @@ class Connection:
         microbatches through the coordinator (None: no direct route offered)."""
         for root in dict.fromkeys([tempfile.gettempdir(), "/tmp"]):  # once each
             try:
-                self.data_dir = tempfile.mkdtemp(prefix="entrain-rank-", dir=root)
+                self.data_dir = make_owned_dir(root, "entrain-rank-")
                 token = secrets.token_hex(16)
                 with open(os.path.join(self.data_dir, "token"), "w", encoding="ascii") as f:
                     f.write(token)
@@ -213,7 +213,7 @@ class Connection:
             self.data.close(linger=0)
             self.data = None
         if self.data_dir is not None:
-            shutil.rmtree(self.data_dir, ignore_errors=True)
+            drop_owned_dir(self.data_dir)
             self.data_dir = None
 
     def _send(self, kind: str, fields: dict[str, Any]) -> None:

@@ -29,12 +29,9 @@ field is ``{"path", "offsets", "reader"}``: offsets are from the file's start,
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import glob
 import mmap
 import os
-import shutil
-import tempfile
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -44,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ProtocolError
+from .owned_dirs import drop_owned_dir, make_owned_dir, remove_orphaned_dirs
 
 __all__ = [
     "ALIGN",
@@ -70,63 +68,28 @@ _MAX_FILES = 64  # segments a rank keeps open (their flag pages mapped)
 
 SHM_ROOT = "/dev/shm"
 _DIR_PREFIX = "entrain-shm-"  # then the pid of the process that made it, "-", a random tail
-_NEW_PREFIX = ".entrain-shm-new-"  # a directory being made (not yet locked: never swept)
-_OWNER = ".owner"  # locked (flock) by that process for as long as it lives
-_OWNED: dict[str, int] = {}  # this process's directories -> the descriptor holding the lock
 
 
 def make_shared_dir(root: str = SHM_ROOT) -> str | None:
     """A private directory in shared memory (``/dev/shm``), or None where there is none.
 
-    This process holds a lock on a file in it for as long as it lives (the kernel drops it
-    however the process ends), so what a service killed with SIGKILL leaves is removed by
-    whoever finds it unlocked: its :class:`~entrain_data.workers.service.ServiceHandle` and
-    the next service made on this host (:func:`remove_shared_dirs`). A lock, not a pid check:
-    a service in another container that shares ``/dev/shm`` has a pid this one cannot see."""
+    What a service killed with SIGKILL leaves is removed by its
+    :class:`~entrain_data.workers.service.ServiceHandle` and by the next service made on this
+    host (:mod:`entrain_data.owned_dirs`)."""
     if not (os.path.isdir(root) and os.access(root, os.W_OK)):
         return None
-    remove_shared_dirs(root=root)
-    tmp = tempfile.mkdtemp(prefix=_NEW_PREFIX, dir=root)
-    fd = os.open(os.path.join(tmp, _OWNER), os.O_RDWR | os.O_CREAT, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    # renamed only once locked: a sweep never sees it unlocked while this process lives
-    tail = os.path.basename(tmp)[len(_NEW_PREFIX) :]
-    path = os.path.join(root, f"{_DIR_PREFIX}{os.getpid()}-{tail}")
-    os.rename(tmp, path)
-    _OWNED[path] = fd
-    return path
+    return make_owned_dir(root, _DIR_PREFIX)
 
 
 def drop_shared_dir(path: str) -> None:
     """Remove a directory :func:`make_shared_dir` made here, and let go of its lock."""
-    shutil.rmtree(path, ignore_errors=True)
-    fd = _OWNED.pop(path, None)
-    if fd is not None:
-        os.close(fd)
+    drop_owned_dir(path)
 
 
 def remove_shared_dirs(pid: int | None = None, root: str = SHM_ROOT) -> list[str]:
     """Remove the shared directories whose owner has ended (only those ``pid`` made, when
     given); the removed paths. Ranks that map a segment keep their mapping."""
-    removed = []
-    for path in glob.glob(os.path.join(glob.escape(root), f"{_DIR_PREFIX}*-*")):
-        owner = os.path.basename(path)[len(_DIR_PREFIX) :].split("-", 1)[0]
-        if not owner.isdigit() or (pid is not None and int(owner) != pid):
-            continue
-        try:
-            fd = os.open(os.path.join(path, _OWNER), os.O_RDONLY)
-        except OSError:  # gone meanwhile, or not ours to read
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # held: its owner is alive
-            continue
-        finally:
-            os.close(fd)
-        shutil.rmtree(path, ignore_errors=True)
-        if not os.path.exists(path):
-            removed.append(path)
-    return removed
+    return remove_orphaned_dirs(root, _DIR_PREFIX, pid)
 
 
 def remove_segments(root: str, owner: str) -> None:

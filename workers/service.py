@@ -14,7 +14,6 @@ import json
 import logging
 import multiprocessing as mp
 import os
-import shutil
 import signal
 import socket
 import stat
@@ -30,6 +29,7 @@ from entrain_data.errors import (
     error_fields,
     error_from_fields,
 )
+from entrain_data.owned_dirs import drop_owned_dir, hold_owned_dir, make_owned_dir
 from entrain_data.plan import ParallelPlan
 from entrain_data.shared_batch import remove_shared_dirs
 
@@ -233,15 +233,18 @@ def make_config(
 
 
 _IPC_MAX = 100  # bytes of a socket path, under the 107 of sockaddr_un with room to spare
+_IPC_PREFIX = "entrain-ipc-"
 
 
 def _socket_dir() -> str:
     """A new folder for the service's ipc sockets: in the temp dir, or in /tmp where the temp
-    dir's path is too long for a socket (a Kubernetes emptyDir ``TMPDIR``)."""
-    d = tempfile.mkdtemp(prefix="entrain-")
+    dir's path is too long for a socket (a Kubernetes emptyDir ``TMPDIR``). The process that
+    makes it and the coordinator hold it (:mod:`entrain_data.owned_dirs`): what a service
+    killed with SIGKILL leaves, the next one removes."""
+    d = make_owned_dir(tempfile.gettempdir(), _IPC_PREFIX)
     if len(f"{d}/workers.sock".encode()) > _IPC_MAX and os.path.isdir("/tmp"):
-        os.rmdir(d)
-        d = tempfile.mkdtemp(prefix="entrain-", dir="/tmp")
+        drop_owned_dir(d)
+        d = make_owned_dir("/tmp", _IPC_PREFIX)
     return d
 
 
@@ -274,8 +277,8 @@ def remove_ipc(cfg: ServiceConfig) -> None:
             path = ep[len("ipc://") :]
             if os.path.exists(path):
                 os.unlink(path)
-    if cfg.own_dir and os.path.isdir(cfg.own_dir):
-        shutil.rmtree(cfg.own_dir, ignore_errors=True)
+    if cfg.own_dir:
+        drop_owned_dir(cfg.own_dir)
 
 
 def serve_foreground(
@@ -298,6 +301,8 @@ def _coordinator_main(cfg: ServiceConfig, reason: Any) -> None:
     logging.basicConfig(
         level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if cfg.own_dir:  # ours too: the process that started us may end first
+        hold_owned_dir(cfg.own_dir)
     try:
         Coordinator(cfg).run(install_signals=True)
     except Exception as exc:

@@ -1,0 +1,93 @@
+"""Private directories that outlive no process using them, even one killed with SIGKILL.
+
+A service's ipc sockets, a rank's data socket and the workers' shared-memory segments
+live in directories this package makes (in the temp dir, ``/tmp``, ``/dev/shm``). A
+process that ends normally removes its own; one killed with SIGKILL (an OOM kill, a
+job scheduler's timeout) cannot. So each directory holds a lock file, ``.owner``,
+that every process using the directory holds a shared ``flock`` on for as long as it
+lives (the kernel drops it however the process ends), and whoever next makes a
+directory of that kind removes those nobody holds (:func:`remove_orphaned_dirs`).
+A lock, not a pid check: a process in another container that shares the folder has a
+pid this one cannot see.
+
+Names are ``{prefix}{pid}-{random}``: the pid of the process that made the directory,
+for :func:`remove_orphaned_dirs`'s ``pid`` filter and for a reader of ``ls``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import glob
+import os
+import shutil
+import tempfile
+
+__all__ = ["drop_owned_dir", "hold_owned_dir", "make_owned_dir", "remove_orphaned_dirs"]
+
+_NEW = ".new-"  # put before the prefix of a directory being made: not yet locked, never swept
+_OWNER = ".owner"
+_HELD: dict[str, int] = {}  # this process's directories -> the descriptor holding the lock
+
+
+def make_owned_dir(root: str, prefix: str) -> str:
+    """A new directory ``root/{prefix}{pid}-{random}`` this process holds; first removes the
+    ones of ``prefix`` in ``root`` that nobody holds any more."""
+    remove_orphaned_dirs(root, prefix)
+    tmp = tempfile.mkdtemp(prefix=f"{_NEW}{prefix}", dir=root)
+    fd = os.open(os.path.join(tmp, _OWNER), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    # renamed only once locked: a sweep never sees it unlocked while this process lives
+    tail = os.path.basename(tmp)[len(_NEW) + len(prefix) :]
+    path = os.path.join(root, f"{prefix}{os.getpid()}-{tail}")
+    os.rename(tmp, path)
+    _HELD[path] = fd
+    return path
+
+
+def hold_owned_dir(path: str) -> bool:
+    """Hold ``path`` (made by :func:`make_owned_dir` in another process, such as the parent
+    that started this service) for as long as this process lives; False if it is not one."""
+    if path in _HELD:
+        return True
+    try:
+        fd = os.open(os.path.join(path, _OWNER), os.O_RDONLY)
+    except OSError:
+        return False
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    _HELD[path] = fd
+    return True
+
+
+def drop_owned_dir(path: str) -> None:
+    """Remove a directory this process made or holds, and let go of its lock."""
+    shutil.rmtree(path, ignore_errors=True)
+    fd = _HELD.pop(path, None)
+    if fd is not None:
+        os.close(fd)
+
+
+def remove_orphaned_dirs(root: str, prefix: str, pid: int | None = None) -> list[str]:
+    """Remove the directories of ``prefix`` in ``root`` that no live process holds (only
+    those ``pid`` made, when given); the removed paths. Folders without the lock file (a
+    user's, an older release's) are left alone."""
+    removed = []
+    for path in glob.glob(os.path.join(glob.escape(root), f"{glob.escape(prefix)}*-*")):
+        owner = os.path.basename(path)[len(prefix) :].split("-", 1)[0]
+        if not owner.isdigit() or (pid is not None and int(owner) != pid):
+            continue
+        try:
+            fd = os.open(os.path.join(path, _OWNER), os.O_RDONLY)
+        except OSError:  # gone meanwhile, not ours to read, or not one of these
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: a process using it is alive
+            os.close(fd)
+            continue
+        try:  # removed while locked: nobody can take it up meanwhile
+            shutil.rmtree(path, ignore_errors=True)
+        finally:
+            os.close(fd)
+        if not os.path.exists(path):
+            removed.append(path)
+    return removed
