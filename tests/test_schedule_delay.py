@@ -8,6 +8,7 @@ from entrain_data.workers.schedule import Scheduler
 
 from entrain_data.assignment import assign
 from entrain_data.cost_model import per_sample_costs
+from entrain_data.errors import InvalidInput
 from entrain_data.presets import ModelSpec
 from entrain_data.workloads import synthesize
 
@@ -21,11 +22,11 @@ def costs():
     return c.encoder_cost(), c.llm_cost(), c.llm_tokens
 
 
-def _scheduler(costs, max_delay: int) -> Scheduler:
+def _scheduler(costs, max_delay: int, **kw) -> Scheduler:
     enc, llm, tok = costs
     return Scheduler(
         enc, llm, tok, dp=4, microbatches=4, global_batch=128, max_tokens=None,
-        defer_budget=None, method="entrain", seed=3, max_delay=max_delay,
+        defer_budget=None, method="entrain", seed=3, max_delay=max_delay, **kw,
     )  # fmt: skip
 
 
@@ -89,6 +90,36 @@ def test_a_lagging_rank_costs_one_assignment_not_a_replay_of_its_epoch(costs):
         for x, y in zip(_iteration_rows(s, 0, it), _iteration_rows(fresh, 0, it)):
             assert np.array_equal(x, y)  # the same stream as ever
     assert calls == [1, 4, 2]
+
+
+def test_a_resume_mid_epoch_replays_only_its_segment(costs):
+    """Nothing waits across a segment's end (``delay_segment`` iterations): a fresh service
+    asked for an iteration deep in an epoch assigns from its segment's start, not from the
+    epoch's (a replay of thousands of iterations, minutes before the first microbatch), and
+    serves exactly what a service that ran from the start serves."""
+    calls = []
+
+    def counted(*a, **kw):
+        calls.append(kw["iteration"])
+        return assign(*a, **kw)
+
+    ran = _scheduler(costs, 2, delay_segment=3)
+    resumed = _scheduler(costs, 2, delay_segment=3, assign_fn=counted)
+    batches = ran.batches(0)
+    home = {int(r): i for i, b in enumerate(batches) for r in b}
+    served, moved = [], 0
+    for it in range(ran.shape.iterations):
+        enc, _ = _iteration_rows(ran, 0, it)
+        for r in enc.tolist():
+            assert it // 3 == home[r] // 3 and 0 <= it - home[r] <= 2, (r, home[r], it)
+            moved += it != home[r]
+        served += enc.tolist()
+    assert sorted(served) == sorted(r for b in batches for r in b.tolist()) and moved > 0
+    for x, y in zip(_iteration_rows(ran, 0, 7), _iteration_rows(resumed, 0, 7)):
+        assert np.array_equal(x, y)
+    assert calls == [6, 7]  # its segment (the epoch's last two), not iterations 0-7
+    with pytest.raises(InvalidInput, match="delay_segment"):
+        _scheduler(costs, 2, delay_segment=0)
 
 
 def test_without_delay_every_sample_stays_in_its_iteration(costs):
