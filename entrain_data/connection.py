@@ -95,22 +95,32 @@ class Connection:
         )
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        family_for(self.sock, endpoint)
         self.watch: HandshakeWatch | None = None  # a wrong key is told, not waited out
-        if curve_server_key is not None:
-            pub, sec = zmq.curve_keypair()
-            self.sock.curve_serverkey = curve_server_key
-            self.sock.curve_publickey = pub
-            self.sock.curve_secretkey = sec
-            self.watch = HandshakeWatch(self.sock)
-        self.sock.connect(endpoint)
         self.data: zmq.Socket | None = None
         self.tcp: zmq.Socket | None = None  # direct route from workers on other hosts
         self._poller: zmq.Poller | None = None
         self._polled: tuple[Any, ...] = ()
         self.data_dir: str | None = None
-        offer = self._open_data_socket() if direct else None
+        try:  # a bad endpoint or key: leave no context, monitor, socket or directory behind
+            self.sock.setsockopt(zmq.LINGER, 0)
+            family_for(self.sock, endpoint)
+            if curve_server_key is not None:
+                pub, sec = zmq.curve_keypair()
+                self.sock.curve_serverkey = curve_server_key
+                self.sock.curve_publickey = pub
+                self.sock.curve_secretkey = sec
+                self.watch = HandshakeWatch(self.sock)
+            try:
+                self.sock.connect(endpoint)
+            except zmq.ZMQError as exc:
+                raise InvalidInput(
+                    f"rank {rank}: cannot connect to the loader service's endpoint "
+                    f"{endpoint!r}: {exc.strerror}"
+                ) from None
+            offer = self._open_data_socket() if direct else None
+        except BaseException:
+            self.close()
+            raise
         self.batches: dict[tuple[int, int, int], protocol.Message] = {}
         self.ends: set[int] = set()
         self.low = position  # batches before this are stale (re-sent after a reconnect)

@@ -107,6 +107,19 @@ def test_loader_arguments_are_checked():
         EntrainLoader("ipc:///nonexistent", 0, prefetch=0)
 
 
+@pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:notaport", "tcpx://host:1"])
+def test_an_endpoint_zeromq_cannot_connect_to_is_named(endpoint):
+    """It raised zmq's own ``ZMQError: Invalid argument``, outside the package's errors."""
+    import psutil
+
+    before = psutil.Process().num_fds()
+    loader = EntrainLoader(endpoint, 3, timeout=5)
+    with pytest.raises(InvalidInput, match=f"rank 3: .*endpoint '{endpoint}'"):
+        next(iter(loader))
+    loader.close()
+    assert psutil.Process().num_fds() == before  # no context or socket left open
+
+
 def _cli(*args, **kw):
     import subprocess
     import sys
