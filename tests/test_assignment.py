@@ -173,6 +173,10 @@ def test_zero_budget_means_no_deferral():
         ({"pipeline_stages": 0}, "pipeline_stages must be"),
         ({"pipeline_stages": True}, "pipeline_stages must be"),
         ({"pipeline_stages": 2.5}, "pipeline_stages must be"),
+        # ran for seconds (the proxy pipeline grows with the depth); overflowed in the CVs
+        ({"pipeline_stages": 10**6}, "pipeline_stages must be an integer from 1 to 1024"),
+        ({"encoder_cost": np.full(16, 1e200)}, "encoder_cost of sample 0 is above 1e"),
+        ({"llm_cost": np.r_[np.ones(5), 1e300, np.ones(10)]}, "llm_cost of sample 5 is above"),
         # each of these raised numpy's own error, or named the wrong cause
         ({"encoder_cost": np.array(["a"] * 16)}, "encoder_cost must be real numbers"),
         ({"llm_cost": np.ones(16) + 1j}, "llm_cost must be real numbers"),

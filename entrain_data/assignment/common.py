@@ -297,6 +297,12 @@ def validate_inputs(
         bad = np.flatnonzero(~np.isfinite(arr).all(axis=-1) if arr.ndim == 2 else ~np.isfinite(arr))
         if len(bad):
             raise InvalidInput(f"{name} is NaN or infinite for sample {int(bad[0])}")
+        bad = np.flatnonzero((arr > MAX_COST).any(axis=-1) if arr.ndim == 2 else arr > MAX_COST)
+        if len(bad):
+            raise InvalidInput(
+                f"{name} of sample {int(bad[0])} is above {MAX_COST:g}: costs are relative, "
+                "scale them down (their squares overflow)"
+            )
         bad = np.flatnonzero((arr < 0).any(axis=-1) if arr.ndim == 2 else arr < 0)
         if len(bad):
             raise InvalidInput(f"{name} is negative for sample {int(bad[0])}")
@@ -338,11 +344,11 @@ def validate_inputs(
     if (
         isinstance(pipeline_stages, bool)
         or not isinstance(pipeline_stages, (int, np.integer))
-        or pipeline_stages < 1
+        or not 1 <= pipeline_stages <= MAX_PIPELINE_STAGES
     ):
         raise InvalidInput(
-            f"pipeline_stages must be an integer >= 1 (the plan's pp) or None, "
-            f"got {pipeline_stages!r}"
+            f"pipeline_stages must be an integer from 1 to {MAX_PIPELINE_STAGES} (the plan's "
+            f"pp) or None, got {pipeline_stages!r}"
         )
     shares = check_stage_shares(stage_shares, columns, pipeline_stages if depth_known else None)
     if shares is not None:
@@ -368,6 +374,9 @@ def validate_inputs(
     )
 
 
+# the proxy pipeline's cost grows with the depth (10,000 stages took 7 s for 64 samples)
+MAX_PIPELINE_STAGES = 1024
+MAX_COST = 1e150  # a cost's square must stay finite (the CVs); costs are relative anyway
 _SHARE_TOLERANCE = 1e-6  # how far a module's shares may sum from 1 (rounding in a plan's JSON)
 
 
