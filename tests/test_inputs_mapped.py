@@ -112,6 +112,13 @@ def test_float32_durations_land_on_the_sample_grid():
     assert int(audio_tokens(whisper, np.array([stored])).llm_tokens[0]) == 20 // per_frame
 
 
+def test_audio_features_at_another_rate_are_refused_not_miscounted():
+    """Frames and tokens are counted on the 16 kHz grid: an 8 kHz transform gave features of
+    another hop than the counts the index priced (WhisperFeatureExtractor refuses it too)."""
+    with pytest.raises(InvalidInput, match="sample_rate=8000.*16000 Hz"):
+        AudioTransform(load_module("whisper-large-v3-encoder"), sample_rate=8000)
+
+
 def test_parquet_index_of_sizes_alone_is_refused_at_serve_with_its_cause(tmp_path):
     path = tmp_path / "sizes.parquet"
     pq.write_table(pa.table({"text": ["a"], "h": [64], "w": [48]}), path)

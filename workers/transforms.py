@@ -241,6 +241,12 @@ class AudioTransform:
     def __init__(self, cfg: ModuleConfig, sample_rate: int = SAMPLE_RATE) -> None:
         if cfg.kind != "audio":
             raise InvalidInput(f"module {cfg.name!r}: AudioTransform needs an audio module")
+        if sample_rate != SAMPLE_RATE:  # frames and tokens are counted on the 16 kHz grid
+            raise InvalidInput(
+                f"module {cfg.name!r}: sample_rate={sample_rate!r}, but Whisper's features (and "
+                f"the index's frame counts) are defined at {SAMPLE_RATE} Hz: resample the clip "
+                "first, as WhisperFeatureExtractor requires"
+            )
         self.cfg = cfg
         self.sample_rate = sample_rate
         self.hop = int(round(sample_rate / cfg.audio_frame_rate))
