@@ -72,6 +72,25 @@ def test_parquet_column_mapping_is_stored_and_served(tmp_path, shared_data, caps
         assert lens[key] == len(texts[i].encode()) + 2 == t.text_tokens[i]
 
 
+def test_same_named_tables_in_two_folders_are_keyed_apart_and_served(tmp_path):
+    """``en/train-0.parquet`` and ``de/train-0.parquet`` without a key column: both were keyed
+    ``train-0.parquet:<row>`` and the index refused the duplicates."""
+    texts = {"en": ["a"] * 6, "de": ["bb" * 20] * 6}  # another length per folder
+    for lang, rows in texts.items():
+        (tmp_path / lang).mkdir()
+        pq.write_table(pa.table({"text": rows}), tmp_path / lang / "train-0.parquet")
+    index = tmp_path / "index.parquet"
+    tables = [str(tmp_path / lang / "train-0.parquet") for lang in texts]
+    assert main(["index", *tables, "-o", str(index), "-q"]) == 0
+    keys = sorted(read_index(index).keys)
+    assert keys == sorted(f"{lang}/train-0.parquet:{i}" for lang in texts for i in range(6))
+    mbs = serve_two_ranks(index, tmp_path, global_batch=12)
+    assert_exactly_once(mbs, index)
+    for m in mbs:  # each key's sequence is its own table's text (BOS + bytes + EOS)
+        for k, a, b in zip(m.llm_keys, m["cu_seqlens"], m["cu_seqlens"][1:]):
+            assert int(b - a) == len(texts[k.split("/")[0]][0]) + 2, k
+
+
 def test_parquet_malformed_row_is_indexed_and_packed(tmp_path, shared_data):
     from entrain_data.workers.index_builder import build_index
     from entrain_data.workers.packing import make_packer

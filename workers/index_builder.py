@@ -274,14 +274,27 @@ def index_parquet(
 def _unique_keys(records: list[SampleMeta]) -> list[SampleMeta]:
     """WebDataset keys are unique per shard; when shards share keys, prefix ``<shard name>:``,
     or, where shards in different folders share a name (``a/000.tar``, ``b/000.tar``), their
-    path below the folder common to all of them."""
+    path below the folder common to all of them. Parquet rows without a key column are keyed
+    ``<table name>:<row>``, and take the same path where tables share a name
+    (``en/train-0.parquet``, ``de/train-0.parquet``: refused as duplicate keys before)."""
     keys = [r.key for r in records]
     if len(set(keys)) == len(keys):
         return records
     from dataclasses import replace
 
+    def own(r: SampleMeta) -> str | None:
+        """The part of its key a record keeps under a prefix: a shard's member key, or a table
+        row's number where its key was made from the table's name (no key column)."""
+        if r.member:
+            return r.member
+        made = r.row >= 0 and r.key == f"{os.path.basename(r.source)}:{r.row}"
+        return str(r.row) if made else None
+
     def prefixed(name) -> list[SampleMeta]:
-        return [replace(r, key=f"{name(r.source)}:{r.member}") if r.member else r for r in records]
+        return [
+            replace(r, key=f"{name(r.source)}:{tail}") if (tail := own(r)) is not None else r
+            for r in records
+        ]
 
     out = prefixed(os.path.basename)
     if len({r.key for r in out}) < len(out):
@@ -290,7 +303,7 @@ def _unique_keys(records: list[SampleMeta]) -> list[SampleMeta]:
             return p.split("://", 1)[1] if "://" in p else os.path.abspath(p)
 
         try:
-            root = os.path.commonpath([where(r.source) for r in records if r.member])
+            root = os.path.commonpath([where(r.source) for r in records if own(r) is not None])
             out = prefixed(lambda p: os.path.relpath(where(p), root))
         except ValueError:  # local paths beside URLs: no common folder
             out = prefixed(where)
