@@ -263,3 +263,33 @@ def test_wrap_runs_a_users_dataloader_inside_the_worker_pool(tmp_path):
     assert sorted(int(k) for m in mbs for k in m.llm_keys) == list(range(24))
     for m in mbs:
         assert m["x"][:, 0].tolist() == [int(k) for k in m.llm_keys]
+
+
+def test_each_encoder_stage_receives_only_the_inputs_it_reads(tmp_path, demo_index):
+    """Vision, audio and LLM on three pipeline stages: the vision stage was sent the mel frames
+    and the audio stage the pixels (most of the bytes), though neither reads them."""
+    from dataclasses import replace
+
+    plan = demo_plan(dp=1, microbatches=2, global_batch=4)
+    segs = plan.stages[0].segments
+    plan = replace(
+        plan, world_size=3, pp=3, stages=tuple(StagePlan(i, (s,)) for i, s in enumerate(segs))
+    )
+    with EntrainLoader.local(
+        rank=0, index=str(demo_index), plan=plan, workers=2, timeout=120,
+        socket_dir=str(tmp_path / "s"),
+    ) as r0:  # fmt: skip
+        others = [EntrainLoader(r0.endpoint, r, timeout=120) for r in (1, 2)]
+        try:
+            stages = [list(r) for r in (r0, *others)]
+        finally:
+            for r in others:
+                r.close()
+    vision, audio, llm = stages
+    assert [m.llm_keys for m in vision] == [m.llm_keys for m in audio] == [m.llm_keys for m in llm]
+    assert any("pixel_values" in m for m in vision) and any("audio_features" in m for m in audio)
+    assert not any("audio_features" in m for m in vision)
+    assert not any(k in m for m in audio for k in ("pixel_values", "pixel_values_videos"))
+    assert not any(k in m for m in llm for k in ("pixel_values", "audio_features"))
+    for a, b in zip(vision, llm):  # everything else is the same microbatch
+        assert a["input_ids"].equal(b["input_ids"]) and a["cu_seqlens"].equal(b["cu_seqlens"])

@@ -34,6 +34,7 @@ from entrain_data.plan import ParallelPlan
 
 from .assign_ahead import AssignAhead
 from .config import ServiceConfig, State
+from .delivery import unread_features
 from .hello import check_hello, past_end
 from .pool import WorkerPool
 from .production import (
@@ -298,7 +299,7 @@ class Coordinator:
             coords.replica,
             self.shape.position(epoch, it, mb),
             data=reachable_data_endpoint(h.get("data")),
-            features=any(seg.kind == "encoder" for seg in stage.segments) or self.plan.pp == 1,
+            unread=unread_features(self.plan, stage),
         )
         self.by_ident[ident] = rank
         self.done.discard(rank)

@@ -4,7 +4,8 @@ The task names each destination rank with its ipc data socket and whether its
 pipeline stage reads the encoder inputs. The first pipeline stage (or any stage
 holding an encoder) gets the whole microbatch; a stage that holds only LLM layers
 gets it without the encoder feature tensors (pixels, video pixels, audio
-features), which are nearly all of its bytes and which that stage never reads.
+features), which are nearly all of its bytes and which that stage never reads; a
+stage holding only one kind of encoder gets it without the other kind's.
 The frames of each variant are encoded once. Ranks on this host (ipc) get it
 through the worker's shared-memory segments when the service has a directory
 for them: written once for all of them, each rank sent only the header naming
@@ -30,12 +31,33 @@ from entrain_data import protocol
 from entrain_data.shared_batch import SegmentPool
 from entrain_data.tcp import family_for
 
-__all__ = ["FEATURE_TENSORS", "Deliverer"]
+__all__ = ["FEATURE_TENSORS", "Deliverer", "unread_features"]
 
 log = logging.getLogger(__name__)
 
 FEATURE_TENSORS = frozenset({"pixel_values", "pixel_values_videos", "audio_features"})
 """Encoder inputs a stage without encoder layers never reads (``entrain_data.batch`` names)."""
+_READS = {"vision": {"pixel_values", "pixel_values_videos"}, "audio": {"audio_features"}}
+"""The feature tensors an encoder of each kind reads."""
+
+
+def unread_features(plan: Any, stage: Any) -> tuple[str, ...]:
+    """The feature tensors ``stage`` of ``plan`` never reads: all of them on a stage without
+    encoder layers, the other kind's on a stage holding only vision or only audio layers
+    (Qwen2.5-VL's vision stage has no use for Whisper's mel frames, Whisper's stage none for
+    the pixels, which are most of the bytes); none with one stage, or where the plan saved no
+    model to tell the encoders' kinds."""
+    encoders = {seg.encoder_index for seg in stage.segments if seg.kind == "encoder"}
+    if plan.pp == 1:
+        return ()
+    if not encoders:
+        return tuple(sorted(FEATURE_TENSORS))
+    if not plan.model:
+        return ()
+    spec = plan.model_spec().encoders
+    read = set().union(*(_READS.get(spec[e].kind, FEATURE_TENSORS) for e in encoders))
+    return tuple(sorted(FEATURE_TENSORS - read))
+
 
 _MAX_SOCKETS = 64
 _SNDHWM = 64  # messages queued per rank; a rank's window is far smaller
@@ -88,19 +110,20 @@ class Deliverer:
         *,
         shared: str | None = None,
     ) -> tuple[list[int], int, int]:
-        """Send the ``batch`` message to every ``[rank, endpoint, features(, curve key)]``.
+        """Send the ``batch`` message to every ``[rank, endpoint, unread(, curve key)]``
+        (``unread``: the feature tensors its stage never reads, :func:`unread_features`).
 
         ``shared``: the service's shared-memory directory, for ranks on this host.
         Returns the ranks reached, the bytes they received (each its own) and the bytes
         written into shared memory (once for all that read them).
         """
-        groups: dict[tuple[bool, bool], list[Any]] = {}
+        groups: dict[tuple[tuple[str, ...], bool], list[Any]] = {}
         for dest in dests:  # by variant, and by whether the rank is on this host
-            groups.setdefault((bool(dest[2]), len(dest) > 3), []).append(dest)
+            groups.setdefault((tuple(dest[2]), len(dest) > 3), []).append(dest)
         reached: list[int] = []
         sent = written = 0
-        for (features, remote), group in groups.items():
-            kept = tensors if features else _without_features(tensors)
+        for (unread, remote), group in groups.items():
+            kept = {k: v for k, v in tensors.items() if k not in unread}
             frames = protocol.encode("batch", fields, kept)
             pool = None if remote else self._pool(shared)
             slot = pool.write(frames[1:], [d[1] for d in group]) if pool is not None else None
@@ -129,7 +152,3 @@ class Deliverer:
         for sock in self.socks.values():
             sock.close()  # linger: what was queued still leaves
         self.socks.clear()
-
-
-def _without_features(tensors: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in tensors.items() if k not in FEATURE_TENSORS}

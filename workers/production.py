@@ -66,7 +66,7 @@ class RankState:
     next_pos: int  # hop: the next position to send; direct: the next the rank will yield
     credits: int = 0  # hop: microbatches it may still be sent
     data: str | None = None  # direct: the rank's ipc data socket
-    features: bool = True  # its pipeline stage reads the encoder inputs (pixels, audio)
+    unread: tuple[str, ...] = ()  # encoder inputs its pipeline stage never reads (not sent)
     remote: tuple[str, str] | None = (
         None  # direct: its tcp socket and CURVE key, for remote workers
     )
@@ -255,9 +255,9 @@ class Production:
         for rank, _ in flight.dests:
             r = by_rank[rank]
             if flight.remote and r.remote is not None:
-                deliver.append([rank, r.remote[0], r.features, r.remote[1]])
+                deliver.append([rank, r.remote[0], list(r.unread), r.remote[1]])
             else:
-                deliver.append([rank, r.data, r.features])
+                deliver.append([rank, r.data, list(r.unread)])
         # another host's /dev/shm is not ours; a rank that cannot see ours takes the bytes by socket
         local = not flight.remote and all(by_rank[rank].shm for rank, _ in flight.dests)
         shared = self.shared_dir if local else None
