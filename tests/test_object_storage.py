@@ -211,3 +211,25 @@ def test_metadata_file_and_its_images_in_s3(bucket, shared_data, tmp_path, name)
     bucket.rm(f"data/meta/{rows[1]['path']}")
     with pytest.raises(SampleError, match=rf"s3://data/meta/{name}:\d+: cannot read s3://"):
         src.read(remote.members[1])
+
+
+def test_cli_indexes_a_prefix_and_a_glob_as_the_brace_pattern(bucket, tmp_path, capsys):
+    """``entrain-data index s3://bucket/prefix/`` and ``'s3://bucket/shard-*.tar'``: the shards
+    listed under the prefix (a README and a hidden object passed over), as the braces name them."""
+    from entrain_data.cli import main
+
+    for name in ("shard-000.tar", "shard-001.tar"):
+        bucket.copy(f"data/{name}", f"data/shards/{name}")
+    bucket.pipe_file("data/shards/README.md", b"# shards\n")
+    bucket.pipe_file("data/shards/.partial.tar", b"\0" * 512)
+    indexes = {}
+    for inputs in ("s3://data/shard-{000..001}.tar", "s3://data/shards/", "s3://data/shard-*.tar"):
+        out = tmp_path / f"{len(indexes)}.parquet"
+        assert main(["index", inputs, "-o", str(out), "-q"]) == 0, capsys.readouterr().err
+        indexes[inputs] = read_index(out)
+    braces = indexes.pop("s3://data/shard-{000..001}.tar")
+    for inputs, table in indexes.items():
+        assert sorted(table.keys) == sorted(braces.keys), inputs
+        assert {s.rsplit("/", 1)[1] for s in table.sources} == {"shard-000.tar", "shard-001.tar"}
+    assert main(["index", "s3://data/none/", "-o", str(tmp_path / "x.parquet"), "-q"]) == 2
+    assert "no objects under s3://data/none/" in capsys.readouterr().err

@@ -199,8 +199,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "inputs",
         nargs="+",
         metavar="INPUT",
-        help="tar shards (brace patterns allowed), Parquet tables, folders of loose files "
-        "(name.jpg + name.txt/name.json), folders with a metadata.jsonl/.csv/.parquet "
+        help="tar shards (brace patterns, globs and object-store prefixes allowed), Parquet "
+        "tables, folders of loose files (name.jpg + name.txt/name.json), folders with a metadata.jsonl/.csv/.parquet "
         "(ImageFolder), JSON/JSONL/CSV metadata files (LLaVA, ShareGPT); shards and tables may "
         "be s3://, gs://, https:// URLs",
     )

@@ -2,7 +2,8 @@
 
 Public API (stable; the worker processes and the CLI call these):
 
-- ``expand_paths(patterns) -> list[str]``: brace patterns (``shard-{000..009}.tar``) and plain paths.
+- ``expand_paths(patterns) -> list[str]``: brace patterns (``shard-{000..009}.tar``), globs,
+  object-storage prefixes (``s3://bucket/shards/``) and plain paths (:mod:`.path_patterns`).
 - ``open_source(path) -> Source``: a :class:`TarShard` (``.tar``, ``.tgz``/``.tar.gz``), a
   :class:`ParquetSource` (``.parquet``), chosen by suffix, or for a local folder a
   :class:`~.loose_files.DirectorySource` (loose files grouped by key as in a tar). Paths may be
@@ -27,12 +28,11 @@ from __future__ import annotations
 import io
 import logging
 import os
-import re
 import tarfile
 import threading
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -40,6 +40,7 @@ from entrain_data.errors import InvalidInput, SampleError
 
 from . import storage
 from .parquet_source import ParquetSource, row_members
+from .path_patterns import expand_braces, expand_paths
 
 __all__ = [
     "Source",
@@ -63,51 +64,6 @@ log = logging.getLogger(__name__)
 TAR_SUFFIXES = (".tar",)
 GZIP_TAR_SUFFIXES = (".tgz", ".tar.gz")
 PARQUET_SUFFIXES = (".parquet", ".pq")
-
-_BRACE = re.compile(r"\{([^{}]*)\}")
-
-
-def expand_braces(pattern: str) -> list[str]:
-    """Expand ``{a,b}`` alternatives and ``{000..099}`` ranges (zero padding kept), left to right.
-
-    Our own small expansion (webdataset's ``braceexpand`` is an optional dependency); nested
-    braces are expanded from the innermost outwards.
-    """
-    m = _BRACE.search(pattern)
-    if m is None:
-        return [pattern]
-    body = m.group(1)
-    rng = re.fullmatch(r"(-?\d+)\.\.(-?\d+)(?:\.\.(\d+))?", body)
-    if rng:
-        lo, hi = int(rng.group(1)), int(rng.group(2))
-        step = int(rng.group(3) or 1) * (1 if hi >= lo else -1)
-        width = len(rng.group(1)) if rng.group(1).lstrip("-").startswith("0") else 0
-        parts = [str(i).zfill(width) for i in range(lo, hi + step, step)]
-    else:
-        parts = body.split(",")
-    out: list[str] = []
-    for p in parts:
-        out.extend(expand_braces(pattern[: m.start()] + p + pattern[m.end() :]))
-    return out
-
-
-def expand_paths(patterns: str | os.PathLike | Iterable[str | os.PathLike]) -> list[str]:
-    """Brace-expand every pattern; each result must be an existing file, a local folder of loose
-    files, or an object in storage (``s3://``, ``gs://``, ``https://``); InvalidInput otherwise."""
-    if isinstance(patterns, (str, os.PathLike)):
-        patterns = [patterns]
-    out: list[str] = []
-    for pat in patterns:
-        for p in expand_braces(os.fspath(pat)):
-            if storage.is_dir(p):
-                out.append(p.rstrip("/") or "/")
-                continue
-            if not storage.is_file(p):
-                raise InvalidInput(
-                    f"shard, table or folder not found: {p} (from pattern {os.fspath(pat)!r})"
-                )
-            out.append(p)
-    return out
 
 
 def split_member_name(name: str) -> tuple[str, str]:

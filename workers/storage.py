@@ -7,13 +7,14 @@ ranges: the index passes over a tar shard in large read-ahead ranges and reads a
 then only the column chunks it needs; workers fetch one sample's members with one ranged GET.
 
 Public API: ``is_remote(path)``, ``filesystem(path) -> (fs, path)``, ``is_file(path)``,
-``is_dir(path)``, ``open_ranged(path) -> file``, ``read_range(path, start, end) -> bytes``,
+``is_dir(path)``, ``path_kind(path)``, ``is_listable(path)``, ``list_objects(prefix)``,
+``glob_objects(pattern)``, ``open_ranged(path) -> file``, ``read_range(path, start, end) -> bytes``,
 ``read_all(path) -> bytes``, ``open_parquet(path) -> pyarrow.parquet.ParquetFile``,
 ``failure_kind(exc) -> str``.
 
 Failures say what went wrong: only a genuinely missing object is "not found" (``is_file`` False, a
 read's ``FileNotFoundError``); a refused credential or an unreachable endpoint is an
-``InvalidInput`` from ``is_file``, a ``PermissionError`` / ``OSError`` from a read, each naming the
+``InvalidInput`` from ``is_file`` and the listings, a ``PermissionError`` / ``OSError`` from a read, each naming the
 object. Every backend error leaves here as an ``OSError`` (aiohttp and botocore raise their own),
 so a failed read is one sample's error under the skip policy, not a crash. Transient failures (HTTP
 5xx/429, a dropped connection) are tried again with backoff where the backend does not retry
@@ -40,6 +41,10 @@ __all__ = [
     "filesystem",
     "is_file",
     "is_dir",
+    "path_kind",
+    "is_listable",
+    "list_objects",
+    "glob_objects",
     "open_ranged",
     "read_range",
     "read_all",
@@ -198,6 +203,38 @@ def _call(fs: Any, path: str, fn: Callable[[], T]) -> T:
     raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
 
 
+def _unusable(path: str, exc: OSError) -> InvalidInput:
+    """Why a request about ``path`` failed when not because it is missing: "not found" would send
+    the user looking for the wrong fault."""
+    why = {
+        "denied": "permission denied: check the credentials the backend reads (AWS_ACCESS_KEY_ID"
+        " / AWS_PROFILE / ~/.aws for s3://, GOOGLE_APPLICATION_CREDENTIALS for gs://) and the"
+        " object's access policy",
+        "unreachable": "cannot reach the storage endpoint: check its URL (AWS_ENDPOINT_URL for"
+        " s3://), the network and any proxy",
+        "transient": "the storage service keeps failing",
+    }.get(failure_kind(exc), "cannot tell whether it exists")
+    return InvalidInput(f"{path}: {why} ({_describe(exc)})")
+
+
+def path_kind(path: str) -> str | None:
+    """``"file"``, ``"directory"`` (a local folder, an object-storage prefix) or None if missing:
+    one HEAD for object storage (s3fs lists the prefix too when no object has that key).
+
+    A refused credential or an unreachable endpoint raises InvalidInput (:func:`_unusable`).
+    """
+    if not is_remote(path):
+        return "file" if os.path.isfile(path) else "directory" if os.path.isdir(path) else None
+    fs, p = filesystem(path)
+    try:
+        kind = _call(fs, path, lambda: fs.info(p)).get("type")
+    except OSError as exc:
+        if failure_kind(exc) == "missing":
+            return None
+        raise _unusable(path, exc) from exc
+    return kind if kind in ("file", "directory") else None
+
+
 def is_file(path: str) -> bool:
     """Whether ``path`` names an existing file (one HEAD request for object storage).
 
@@ -206,27 +243,46 @@ def is_file(path: str) -> bool:
     """
     if not is_remote(path):
         return os.path.isfile(path)
-    fs, p = filesystem(path)
-    try:
-        return _call(fs, path, lambda: fs.info(p)).get("type") == "file"
-    except OSError as exc:
-        kind = failure_kind(exc)
-        if kind == "missing":
-            return False
-        why = {
-            "denied": "permission denied: check the credentials the backend reads (AWS_ACCESS_KEY_ID"
-            " / AWS_PROFILE / ~/.aws for s3://, GOOGLE_APPLICATION_CREDENTIALS for gs://) and the"
-            " object's access policy",
-            "unreachable": "cannot reach the storage endpoint: check its URL (AWS_ENDPOINT_URL for"
-            " s3://), the network and any proxy",
-            "transient": "the storage service keeps failing",
-        }.get(kind, "cannot tell whether it exists")
-        raise InvalidInput(f"{path}: {why} ({_describe(exc)})") from exc
+    return path_kind(path) == "file"
 
 
 def is_dir(path: str) -> bool:
     """Whether ``path`` is a local directory (loose files are read from local folders only)."""
     return not is_remote(path) and os.path.isdir(path)
+
+
+def is_listable(path: str) -> bool:
+    """Object storage whose keys can be listed: not ``http(s)://``, where a listing would be a
+    scraped HTML page and ``?`` starts a query string (a presigned URL), not a wildcard."""
+    return is_remote(path) and path.split("://", 1)[0].lower() not in ("http", "https")
+
+
+def _listing(path: str, fn: Callable[[Any, str], dict[str, dict]]) -> list[str]:
+    """The files of one listing call as URLs in ``path``'s scheme, sorted; a missing bucket lists
+    nothing, a refused or unreachable one raises InvalidInput naming ``path``."""
+    scheme = path.split("://", 1)[0]
+    fs, p = filesystem(path)
+    fs.invalidate_cache()  # whole: a glob reads the cached listings of every folder it walks
+    try:
+        found = _call(fs, path, lambda: fn(fs, p))
+    except OSError as exc:
+        if failure_kind(exc) == "missing":
+            return []
+        if isinstance(exc.__cause__, ValueError):  # fsspec's word on a malformed glob
+            raise InvalidInput(f"{path}: not a valid pattern ({exc.__cause__})") from exc
+        raise _unusable(path, exc) from exc
+    names = (info.get("name", name) for name, info in found.items() if info.get("type") == "file")
+    return sorted(f"{scheme}://{n.lstrip('/')}" for n in names)
+
+
+def list_objects(prefix: str) -> list[str]:
+    """Every object under ``prefix`` (recursively) with one listing, no HEAD per object."""
+    return _listing(prefix, lambda fs, p: fs.find(p.rstrip("/") + "/", withdirs=False, detail=True))
+
+
+def glob_objects(pattern: str) -> list[str]:
+    """The objects matching a ``*``/``?``/``[...]``/``**`` pattern, from listings only."""
+    return _listing(pattern, lambda fs, p: fs.glob(p, detail=True))
 
 
 def _guard(f: Any, fs: Any, path: str) -> Any:
