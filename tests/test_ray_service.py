@@ -1,16 +1,20 @@
 """The service and its extra workers as Ray actors, on a local Ray cluster (``ray.init(num_cpus=2)``):
 a worker actor killed mid-epoch is restarted by Ray, and every sample arrives exactly once; a
-service or worker that cannot start fails in the caller, typed; close() during another thread's
-wait() still cleans up."""
+service or worker that cannot start fails in the caller, typed (a bad ``host`` too); a picked port
+another process takes before the service binds it is picked again; close() during another
+thread's wait() still cleans up."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import re
 import shutil
 import socket
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 
 import pytest
 from test_service import assert_exactly_once, close_all, make_index_plan, make_shards
@@ -129,6 +133,112 @@ def test_taken_port_raises_in_the_caller(tmp_path, local_ray):
             if svc is not None:
                 svc.close()
     assert not sockets.exists()
+
+
+@contextlib.contextmanager
+def _held_port() -> Iterator[int]:
+    """A loopback port this test holds bound and listening: no one else can bind it."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        yield busy.getsockname()[1]
+
+
+def _picker(held: int, log: str, at: set[int] | None) -> Callable[[str], int]:
+    """A stand-in for the service actor's port picker (Ray pickles this closure with the actor,
+    so it runs there): pick ``i`` (0 the endpoint, 1 the remote endpoint, 2.. re-picks) returns
+    ``held`` when ``i`` is in ``at`` (``None``: every pick), else a free port; each pick is
+    appended to the file ``log``, which the test reads back."""
+    calls: list[int] = []
+
+    def pick(host: str) -> int:
+        if at is None or len(calls) in at:
+            port = held
+        else:
+            with socket.socket() as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+        calls.append(port)
+        with open(log, "a") as f:
+            f.write(f"{port}\n")
+        return port
+
+    return pick
+
+
+def _picks(log) -> list[int]:
+    return [int(p) for p in log.read_text().split()] if log.exists() else []
+
+
+@pytest.mark.parametrize("at", [0, 1], ids=["endpoint", "remote_endpoint"])
+def test_picked_port_taken_before_the_bind_is_picked_again(tmp_path, local_ray, monkeypatch, at):
+    """The race between picking a free port and binding it: lost once, the service still serves,
+    on fresh ports."""
+    from entrain_data.workers import ray_service
+
+    index, plan = _data(tmp_path)
+    log = tmp_path / "picks"
+    with _held_port() as held:
+        monkeypatch.setattr(ray_service, "_free_port", _picker(held, str(log), {at}))
+        svc = None
+        try:
+            svc = ray_service.start_on_ray(index=index, plan=plan, workers=0, window=2)
+            picks = _picks(log)
+            assert len(picks) == 4 and picks[at] == held, f"picks in the service actor: {picks}"
+            bound = [int(ep.rpartition(":")[2]) for ep in (svc.endpoint, svc.remote_endpoint)]
+            assert bound == picks[2:] and held not in bound  # both picked again
+            assert svc.wait(0) is None  # serving
+        finally:
+            if svc is not None:
+                svc.close()
+
+
+def test_picked_ports_taken_on_every_try_fail_typed(tmp_path, local_ray, monkeypatch):
+    """Not an endless retry: after a few tries one typed error naming the host and the ports."""
+    from entrain_data.workers import ray_service
+
+    index, plan = _data(tmp_path)
+    sockets = tmp_path / "s"
+    log = tmp_path / "picks"
+    with _held_port() as held:
+        monkeypatch.setattr(ray_service, "_free_port", _picker(held, str(log), None))
+        svc = None
+        try:
+            with pytest.raises(
+                InvalidInput,
+                match=rf"cannot serve on 127\.0\.0\.1: ports {held}(, {held})+ .*already in use",
+            ) as raised:
+                svc = ray_service.start_on_ray(
+                    index=index, plan=plan, workers=0, window=2, socket_dir=str(sockets)
+                )
+        finally:
+            if svc is not None:
+                svc.close()
+    tries = ray_service._PORT_TRIES
+    assert str(raised.value).count(str(held)) == tries
+    assert _picks(log) == [held] * (2 * tries)  # the endpoint and remote endpoint, each try
+    assert not sockets.exists()
+
+
+@pytest.mark.parametrize(
+    "host", ["203.0.113.1", "no-such-host.invalid"], ids=["foreign", "unknown"]
+)
+def test_bad_host_raises_typed(tmp_path, local_ray, host):
+    """An address not on the service's node (TEST-NET-3), or no address at all: ``InvalidInput``
+    naming the host, not Ray's ``ActorDiedError``."""
+    from entrain_data.workers.ray_service import start_on_ray
+
+    with socket.socket() as s, contextlib.suppress(OSError):
+        s.bind((host, 0))
+        pytest.skip(f"{host} is an address of this host")
+    index, plan = _data(tmp_path)
+    svc = None
+    try:
+        with pytest.raises(InvalidInput, match=rf"host '{re.escape(host)}': .*cannot bind there"):
+            svc = start_on_ray(index=index, plan=plan, workers=0, window=2, host=host)
+    finally:
+        if svc is not None:
+            svc.close()
 
 
 @pytest.mark.parametrize(

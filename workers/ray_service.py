@@ -13,6 +13,12 @@ instead of raising it from ``__init__``: Ray would bury it in an ``ActorDiedErro
 for a worker, never restart it, unseen. :func:`start_on_ray` returns only once the service
 serves (its sockets bound) and raises what stopped it; :meth:`RayService.wait` also reports
 a worker actor that cannot work.
+
+The service actor picks its tcp ports itself (they must be free on its node, not the caller's).
+A port is free when picked but bound only later by the coordinator, so another process may take
+it in between: the actor then picks afresh, up to ``_PORT_TRIES`` times. (Binding port 0 and
+reading back the port would close that window, but the coordinator binds the endpoints its
+config names and reports those.)
 """
 
 from __future__ import annotations
@@ -23,10 +29,18 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from dataclasses import replace as dc_replace
 from typing import Any
 
-from entrain_data.errors import EntrainError, EntrainTimeout, error_fields, error_from_fields
+from entrain_data.errors import (
+    EntrainError,
+    EntrainTimeout,
+    InvalidInput,
+    error_fields,
+    error_from_fields,
+)
 
 __all__ = ["RayService", "start_on_ray"]
 
@@ -38,12 +52,40 @@ _STOP_S = 30.0  # the coordinator's drain, then the actors are killed regardless
 _WORKERS_START_S = 30.0  # start_on_ray waits this long for worker actors Ray could place
 _CONCURRENCY = 4  # the service actor's calls run in threads: close() never queues behind wait()
 _MADE_HERE = ("curve_public_key", "curve_secret_key")  # the service actor makes its own keys
+_PICKED = ("endpoint", "remote_endpoint")  # tcp endpoints the actor picks unless given
+_PORT_TRIES = 5  # picks of fresh ports before a service whose ports keep being taken fails
+
+PortPicker = Callable[[str], int]
 
 
 def _free_port(host: str) -> int:
+    """A port free on ``host`` now (the kernel's pick); raises ``OSError`` for a host that is
+    not an address of this node or does not resolve."""
     with socket.socket() as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
+
+
+def _pick_endpoints(host: str, names: list[str], pick: PortPicker) -> dict[str, str]:
+    """``tcp://host:PORT`` for each of ``names``; a bad host is the caller's ``InvalidInput``."""
+    try:
+        return {name: f"tcp://{host}:{pick(host)}" for name in names}
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        raise InvalidInput(
+            f"host {host!r}: the loader service cannot bind there on node "
+            f"{socket.gethostname()}: {why}"
+        ) from None
+
+
+def _taken(exc: BaseException, picked: dict[str, str]) -> str | None:
+    """The picked endpoint whose bind failed as taken (the words of ``open_sockets``), or None:
+    a port the caller named is never re-picked."""
+    if isinstance(exc, InvalidInput):
+        for ep in picked.values():
+            if str(exc) == f"cannot serve on {ep}: address already in use":
+                return ep
+    return None
 
 
 def _failure(exc: BaseException) -> dict[str, Any]:
@@ -54,7 +96,7 @@ def _failure(exc: BaseException) -> dict[str, Any]:
 class _ServiceActor:
     """Runs a coordinator in a thread of this actor; its local workers are its children."""
 
-    def __init__(self, options: dict[str, Any], host: str) -> None:
+    def __init__(self, options: dict[str, Any], host: str, pick: PortPicker = _free_port) -> None:
         import zmq
 
         from .coordinator import Coordinator
@@ -64,16 +106,15 @@ class _ServiceActor:
         self.thread: threading.Thread | None = None
         self.serving = threading.Event()  # set by the coordinator once bound and serving
         self.stopping = False
+        self.lock = threading.Lock()  # stop() and a re-pick's new coordinator: one at a time
+        self.host, self.pick = host, pick
         self.public_key, sec = zmq.curve_keypair()
-        options = {
-            "endpoint": f"tcp://{host}:{_free_port(host)}",
-            "remote_endpoint": f"tcp://{host}:{_free_port(host)}",
-            **options,
-        }
+        self.picked: dict[str, str] = {}  # the endpoints picked here, by option name
         self.cfg: Any = None  # the ServiceConfig, once make_config accepts the options
-        try:
+        try:  # a bad host too fails typed here, not as Ray's ActorDiedError
+            self.picked = _pick_endpoints(host, [n for n in _PICKED if n not in options], pick)
             self.cfg = make_config(
-                curve_public_key=self.public_key, curve_secret_key=sec, **options
+                curve_public_key=self.public_key, curve_secret_key=sec, **self.picked, **options
             )
             self.coordinator = Coordinator(self.cfg, on_ready=self.serving.set)
         except Exception as exc:  # kept for ready(): the driver raises it, typed
@@ -88,11 +129,42 @@ class _ServiceActor:
         from .service import remove_ipc
 
         try:
-            self.coordinator.run(install_signals=False)  # signals belong to Ray's main thread
+            taken: list[str] = []  # the picked ports another process bound first
+            while True:
+                try:
+                    self.coordinator.run(install_signals=False)  # signals: Ray's main thread's
+                    return
+                except InvalidInput as exc:
+                    ep = _taken(exc, self.picked)
+                    if ep is None:
+                        raise
+                    taken.append(ep.rpartition(":")[2])
+                    if len(taken) >= _PORT_TRIES:
+                        raise InvalidInput(
+                            f"cannot serve on {self.host}: ports {', '.join(taken)} were each "
+                            f"taken by another process before the service bound them "
+                            f"({_PORT_TRIES} tries): address already in use"
+                        ) from None
+                    log.info("%s was taken before the service bound it: picking again", ep)
+                    if not self._repick():
+                        return  # stop() came first
         except Exception as exc:
             self.failure = _failure(exc)
         finally:
             remove_ipc(self.cfg)  # the workers' ipc socket and its temp dir
+
+    def _repick(self) -> bool:
+        """A new coordinator on fresh ports (its config as before otherwise); ``False`` once
+        stop() was asked: the lock keeps stop() from asking a coordinator about to be replaced."""
+        from .coordinator import Coordinator
+
+        with self.lock:
+            if self.stopping:
+                return False
+            self.picked = _pick_endpoints(self.host, list(self.picked), self.pick)
+            self.cfg = dc_replace(self.cfg, **self.picked)
+            self.coordinator = Coordinator(self.cfg, on_ready=self.serving.set)
+            return True
 
     def ready(self, timeout: float) -> dict[str, Any]:
         """Once serving, the endpoints; else ``{"failure": ...}`` or, still starting, ``{}``."""
@@ -126,9 +198,10 @@ class _ServiceActor:
         files); ``False`` if it still runs after ``timeout``."""
         if self.thread is None:
             return True
-        if self.thread.is_alive():
-            self.stopping = True
-        self.coordinator.request_stop()
+        with self.lock:
+            if self.thread.is_alive():
+                self.stopping = True
+            self.coordinator.request_stop()
         self.thread.join(timeout)
         return not self.thread.is_alive()
 
@@ -289,10 +362,12 @@ def start_on_ray(
 
     Returns once the service serves and the worker actors Ray could place at once have
     started (one still waiting for a CPU is reported by :meth:`RayService.wait` if it
-    fails later). Raises, after stopping what it started, the typed error (``InvalidInput``:
-    a bad option, a taken port, a plan or index a worker's host cannot read), ``TypeError``
-    for an option ``make_config`` does not take, or ``EntrainTimeout`` when the service is
-    not serving after ``start_timeout`` seconds.
+    fails later). A port the service picked (``endpoint``, ``remote_endpoint`` not given)
+    and another process took before the bind is picked again. Raises, after stopping what it
+    started, the typed error (``InvalidInput``: a bad option, a ``host`` the service's node
+    cannot bind, a given port taken or picked ports taken on every try, a plan or index a
+    worker's host cannot read), ``TypeError`` for an option ``make_config`` does not take, or
+    ``EntrainTimeout`` when the service is not serving after ``start_timeout`` seconds.
     """
     import ray
 
@@ -303,7 +378,8 @@ def start_on_ray(
     )
     options = {"index": index, "plan": plan, "workers": local_workers}
     options |= {"remote_timeout": remote_timeout, **service_options}
-    svc = RayService("", "", b"", service_cls.remote(options, host), [])
+    # the picker travels with the actor (a test may replace it here); it runs on the actor's node
+    svc = RayService("", "", b"", service_cls.remote(options, host, _free_port), [])
     try:
         svc.endpoint, svc.remote_endpoint, svc.curve_public_key = _serving(svc, start_timeout)
         worker_cls = ray.remote(_WorkerActor).options(
