@@ -40,7 +40,7 @@ def test_a_remote_worker_reaches_ranks_with_a_tcp_socket_and_returns_the_rest():
     flight = prod.take([with_tcp], (0, 0), remote=True)
     assert flight.remote and [r for r, _ in flight.dests] == [0] and not flight.payload
     route = prod.route(flight, {0: with_tcp})
-    assert route["deliver"] == [[0, with_tcp.remote[0], True, "k" * 40]] and route["shared"] is None
+    assert route["deliver"] == [[0, with_tcp.remote[0], [], "k" * 40]] and route["shared"] is None
     flight = prod.take([without], (0, 0), remote=True)
     assert flight.dests == [] and flight.payload  # the coordinator forwards it
 
