@@ -25,6 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from . import index_meta as imeta
 from .errors import InvalidInput
 from .index_paths import sources_for_index, sources_from_index
 
@@ -38,9 +39,9 @@ __all__ = [
     "write_index",
 ]
 
-INDEX_SCHEMA_VERSION = 1
+INDEX_SCHEMA_VERSION = 2
+"""1: the columns below; 2: may also record each source file's identity (:mod:`.index_meta`)."""
 _VERSION_KEY = b"entrain_data.index_schema_version"
-_COLUMNS_KEY = b"entrain_data.column_map"
 
 INDEX_SCHEMA = pa.schema(
     [
@@ -147,6 +148,9 @@ class SampleTable:
     # role -> Parquet column given at index time (``text``, ``image``, ``audio`` ...): stored in
     # the index file's metadata so that ``serve`` reads the rows as they were indexed
     column_map: Mapping[str, str] = field(default_factory=dict, compare=False)
+    # source -> what that file was when indexed (size, mtime_ns / etag ...): workers refuse a
+    # file that changed since, whose members or rows no longer lie where the index says
+    source_identity: Mapping[str, imeta.Identity] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         bad = [
@@ -155,6 +159,8 @@ class SampleTable:
         if bad:
             raise InvalidInput(f"{self.origin}: column_map entry {bad[0]!r} is not str -> str")
         object.__setattr__(self, "column_map", dict(self.column_map))
+        ids = imeta.check_identities(self.source_identity, self.origin)
+        object.__setattr__(self, "source_identity", ids)
         self.validate()
 
     # ------------------------------------------------------------------ checks
@@ -225,6 +231,7 @@ class SampleTable:
         records: Iterable[SampleMeta],
         origin: str = "<memory>",
         column_map: Mapping[str, str] | None = None,
+        source_identity: Mapping[str, imeta.Identity] | None = None,
     ) -> SampleTable:
         """Build a table from :class:`SampleMeta` records (keeps their order)."""
         recs = list(records)
@@ -245,6 +252,7 @@ class SampleTable:
             audio_seconds=np.array([s for r in recs for s in r.audio_seconds], dtype=np.float32),
             origin=origin,
             column_map=dict(column_map or {}),
+            source_identity=dict(source_identity or {}),
         )
 
     @classmethod
@@ -288,7 +296,7 @@ class SampleTable:
                 f"{origin}: columns 'image_frames', 'image_height' and 'image_width' list different item counts"
             )
         aoff, secs = flat("audio_seconds", np.float32)
-        column_map = _read_column_map(table.schema.metadata or {}, origin)
+        column_map = imeta.read_column_map(table.schema.metadata or {}, origin)
         return cls(
             keys=np.array(cols["key"].to_pylist(), dtype=object),
             sources=np.array(cols["source"].to_pylist(), dtype=object),
@@ -303,6 +311,7 @@ class SampleTable:
             audio_seconds=secs,
             origin=origin,
             column_map=column_map,
+            source_identity=imeta.read_identities(table.schema.metadata or {}, origin),
         )
 
     def to_arrow(self) -> pa.Table:
@@ -326,7 +335,9 @@ class SampleTable:
         ]
         meta = {_VERSION_KEY: str(INDEX_SCHEMA_VERSION).encode()}
         if self.column_map:
-            meta[_COLUMNS_KEY] = json.dumps(self.column_map, sort_keys=True).encode()
+            meta[imeta.COLUMNS_KEY] = json.dumps(self.column_map, sort_keys=True).encode()
+        if self.source_identity:
+            meta[imeta.IDENTITY_KEY] = json.dumps(self.source_identity, sort_keys=True).encode()
         schema = INDEX_SCHEMA.with_metadata(meta)
         return pa.Table.from_arrays(arrays, schema=schema)
 
@@ -377,6 +388,7 @@ class SampleTable:
             audio_seconds=secs,
             origin=self.origin,
             column_map=self.column_map,
+            source_identity=self.source_identity,
         )
 
     def record(self, i: int) -> SampleMeta:
@@ -432,35 +444,9 @@ class SampleTable:
             audio_offsets=cat_off("audio_offsets"),
             audio_seconds=cat("audio_seconds"),
             origin="+".join(sorted({t.origin for t in tables})),
-            column_map=_merged_column_maps(tables),
+            column_map=imeta.merged_column_maps((t.origin, t.column_map) for t in tables),
+            source_identity=imeta.merged_identities((t.origin, t.source_identity) for t in tables),
         )
-
-
-def _read_column_map(meta: Mapping[bytes, bytes], origin: str) -> dict[str, str]:
-    raw = meta.get(_COLUMNS_KEY)
-    if raw is None:
-        return {}
-    try:
-        cmap = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidInput(
-            f"{origin}: column map in the index metadata is not JSON ({exc})"
-        ) from exc
-    if not isinstance(cmap, dict):
-        raise InvalidInput(f"{origin}: column map in the index metadata is not an object")
-    return cmap
-
-
-def _merged_column_maps(tables: Sequence[SampleTable]) -> dict[str, str]:
-    """One map for the concatenation; two tables mapping one role to different columns clash."""
-    out: dict[str, str] = {}
-    for t in tables:
-        for role, col in t.column_map.items():
-            if out.setdefault(role, col) != col:
-                raise InvalidInput(
-                    f"concat: {t.origin} maps {role!r} to column {col!r}, another table to {out[role]!r}"
-                )
-    return out
 
 
 def write_index(table: SampleTable, path: str | Path) -> Path:
@@ -468,7 +454,12 @@ def write_index(table: SampleTable, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    table = replace(table, sources=sources_for_index(table.sources, str(path.parent.resolve())))
+    where = str(path.parent.resolve())
+    table = replace(
+        table,
+        sources=sources_for_index(table.sources, where),
+        source_identity=imeta.remap_identities(table.source_identity, sources_for_index, where),
+    )
     pq.write_table(table.to_arrow(), tmp, compression="zstd")
     tmp.replace(path)
     return path
@@ -490,4 +481,9 @@ def read_index(path: str | Path) -> SampleTable:
             f"{path}: index schema version {int(version)} is newer than this package's ({INDEX_SCHEMA_VERSION})"
         )
     out = SampleTable.from_arrow(table, origin=str(path))
-    return replace(out, sources=sources_from_index(out.sources, str(path.parent.resolve())))
+    where = str(path.parent.resolve())
+    return replace(
+        out,
+        sources=sources_from_index(out.sources, where),
+        source_identity=imeta.remap_identities(out.source_identity, sources_from_index, where),
+    )

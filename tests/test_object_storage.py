@@ -233,3 +233,53 @@ def test_cli_indexes_a_prefix_and_a_glob_as_the_brace_pattern(bucket, tmp_path, 
         assert {s.rsplit("/", 1)[1] for s in table.sources} == {"shard-000.tar", "shard-001.tar"}
     assert main(["index", "s3://data/none/", "-o", str(tmp_path / "x.parquet"), "-q"]) == 2
     assert "no objects under s3://data/none/" in capsys.readouterr().err
+
+
+def test_object_overwritten_after_indexing_is_refused_by_name(bucket, tmp_path):
+    """An object overwritten after indexing (same keys and size, other bytes: a re-export) is not
+    read at the old positions: its samples are skipped, each naming the object and both ETags;
+    an index written before identities were recorded serves it unchecked, as before."""
+    import pyarrow.parquet as pq
+    from entrain_data.workers.index_builder import build_index
+    from entrain_data.workers.packing import make_packer
+
+    index = tmp_path / "index.parquet"
+    write_index(build_index("s3://data/shard-*.tar", progress=False), index)  # from a listing
+    table = read_index(index)
+    before = bucket.info("data/shard-001.tar")
+    assert table.source_identity["s3://data/shard-001.tar"] == {
+        "size": before["size"],
+        "etag": before["ETag"].strip('"'),
+    }
+    with tarfile.open(tmp_path / "shard-001.tar") as tar:  # the local copy the bucket holds
+        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
+    with tarfile.open(tmp_path / "re.tar", "w") as tar:
+        for info, data in members:
+            tar.addfile(info, io.BytesIO(data[::-1] if info.name.endswith(".txt") else data))
+    bucket.put_file(str(tmp_path / "re.tar"), "data/shard-001.tar")
+    after = bucket.info("data/shard-001.tar")
+    assert after["size"] == before["size"] and after["ETag"] != before["ETag"]
+    changed = (
+        "s3://data/shard-001.tar: changed since it was indexed (size "
+        f"{before['size']} unchanged, etag {before['ETag'].strip(chr(34))} -> "
+        f"{after['ETag'].strip(chr(34))}): re-index"
+    )
+    row = next(i for i, s in enumerate(table.sources) if s.endswith("shard-001.tar"))
+    with pytest.raises(SampleError, match="changed since it was indexed") as err:
+        make_packer(str(index))([], [row])
+    assert str(err.value).startswith(changed) and err.value.key == table.keys[row]
+
+    skipped = tmp_path / "skipped.jsonl"
+    mbs = _serve(index, tmp_path, global_batch=8, on_error="skip", skipped=str(skipped))
+    lost = [json.loads(line) for line in skipped.read_text().splitlines()]
+    gone = {str(k) for k, s in zip(table.keys, table.sources) if s.endswith("shard-001.tar")}
+    assert {r["key"] for r in lost} == gone and all(changed in r["reason"] for r in lost)
+    assert sorted(k for m in mbs for k in m.llm_keys) == sorted(set(table.keys) - gone)
+
+    old = tmp_path / "old.parquet"  # no identities, schema version 1
+    arrow = pq.read_table(index)
+    meta = {k: v for k, v in arrow.schema.metadata.items() if k != b"entrain_data.source_identity"}
+    meta[b"entrain_data.index_schema_version"] = b"1"
+    pq.write_table(arrow.replace_schema_metadata(meta), old)
+    out = make_packer(str(old))([], [row])
+    assert out.llm_keys == [table.keys[row]] and not out.skipped

@@ -32,6 +32,10 @@ skipped=None, metadata=None, captions="first") -> SampleTable``
   ``skip`` leaves it out, logs it (debug) and appends ``{"key", "source", "error"}`` to
   ``skipped`` (the CLI writes them to a file and prints one summary line).
 
+Every file's identity, taken before it is read (:func:`.source_identity.probe_identity`: size and
+mtime, or size and ETag / version), is stored in the index (``SampleTable.source_identity``), so
+workers refuse a file replaced since (folders of loose files are not recorded).
+
 The result is validated by :class:`~entrain_data.metadata.SampleTable` (unique keys, sizes >= 1...).
 """
 
@@ -50,6 +54,7 @@ from entrain_data.metadata import SampleMeta, SampleTable, VisionItem
 from . import decode
 from .loose_files import DirectorySource
 from .metadata_source import METADATA_NAMES, MetadataSource, is_metadata_file
+from .source_identity import probe_identity
 from .sources import PARQUET_SUFFIXES, TarShard, expand_paths, row_members
 from .storage import INDEX_BLOCK, is_dir, open_parquet
 from .tokenizer import TextTokenizer, as_tokenizer, count_text_tokens
@@ -338,6 +343,19 @@ def _resolve_inputs(files: Sequence[str], metadata: str | None) -> list[str]:
     return out
 
 
+def _identity_before_reading(path: str) -> dict[str, int | str] | None:
+    """``path``'s identity before its samples are read, so a file changed while it was indexed
+    reads as changed later; None for a folder, or a file the probe cannot reach (reading it then
+    fails with the real error, or serves it unchecked)."""
+    if is_dir(path):
+        return None
+    try:
+        return probe_identity(path)
+    except OSError as exc:
+        log.debug("index: no identity recorded for %s (%s)", path, exc)
+        return None
+
+
 def build_index(
     paths: str | os.PathLike | Iterable[str | os.PathLike],
     *,
@@ -362,6 +380,7 @@ def build_index(
         )
     tok = as_tokenizer(tokenizer)
     records: list[SampleMeta] = []
+    identities: dict[str, dict[str, int | str]] = {}
     meta_columns: dict[str, str] | None = None
     bar = None
     if progress:
@@ -370,6 +389,8 @@ def build_index(
         bar = tqdm(total=len(files), unit="file", desc="index", dynamic_ncols=True)
     try:
         for path in files:
+            if (ident := _identity_before_reading(path)) is not None:
+                identities[path] = ident
             if path in metas:
                 recs, cols = index_metadata(
                     path,
@@ -416,4 +437,10 @@ def build_index(
             column_map["text"] = "text"  # index_parquet's default, stated for serve
     else:
         column_map = {}
-    return SampleTable.from_records(records, origin=origin, column_map=column_map)
+    used = {r.source for r in records}
+    return SampleTable.from_records(
+        records,
+        origin=origin,
+        column_map=column_map,
+        source_identity={p: i for p, i in identities.items() if p in used},
+    )

@@ -239,7 +239,9 @@ class SamplePacker:
         self.parquet_columns = dict(parquet_columns or {"text": "text"})
         _check_servable(table, self.parquet_columns)
         self.sources = SourceCache(  # metadata files read their records by the index's mapping
-            max_open, opener=partial(open_source, metadata_columns=table.column_map or None)
+            max_open,
+            opener=partial(open_source, metadata_columns=table.column_map or None),
+            identities=table.source_identity,  # a file changed since indexing is refused
         )
 
     # ---------------------------------------------------------------- reading

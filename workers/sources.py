@@ -41,6 +41,7 @@ from entrain_data.errors import InvalidInput, SampleError
 from . import storage
 from .parquet_source import ParquetSource, row_members
 from .path_patterns import expand_braces, expand_paths
+from .source_identity import changed_since_indexing
 
 __all__ = [
     "Source",
@@ -373,18 +374,42 @@ def open_source(path: str | os.PathLike, **options: Any) -> Source:
 
 
 class SourceCache:
-    """One worker's open sources, opened on first use and kept (least recently used closed first)."""
+    """One worker's open sources, opened on first use and kept (least recently used closed first).
 
-    def __init__(self, max_open: int = 64, opener: Callable[[str], Source] = open_source) -> None:
+    ``identities`` (the index's :attr:`~entrain_data.metadata.SampleTable.source_identity`): a
+    source recorded there is checked against it when opened, one stat or HEAD per open, not per
+    sample (:mod:`.source_identity`); one found changed is refused for the rest of the process.
+    """
+
+    def __init__(
+        self,
+        max_open: int = 64,
+        opener: Callable[[str], Source] = open_source,
+        identities: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
         self.max_open = max_open
         self._opener = opener
         self._open: OrderedDict[str, Source] = OrderedDict()
+        self._identities = dict(identities or {})
+        self._changed: dict[str, str] = {}  # path -> why it is refused (no second HEAD)
+
+    def _check(self, path: str) -> None:
+        recorded = self._identities.get(path)
+        if recorded is None:  # an index from before identities, or a folder: nothing to compare
+            return
+        if path not in self._changed:
+            why = changed_since_indexing(path, recorded)
+            if why is None:
+                return
+            self._changed[path] = why
+        raise SampleError(self._changed[path], source=path)
 
     def get(self, path: str) -> Source:
         src = self._open.get(path)
         if src is not None:
             self._open.move_to_end(path)
             return src
+        self._check(path)
         src = self._opener(path)
         self._open[path] = src
         while len(self._open) > self.max_open:

@@ -10,7 +10,7 @@ Public API: ``is_remote(path)``, ``filesystem(path) -> (fs, path)``, ``is_file(p
 ``is_dir(path)``, ``path_kind(path)``, ``is_listable(path)``, ``list_objects(prefix)``,
 ``glob_objects(pattern)``, ``open_ranged(path) -> file``, ``read_range(path, start, end) -> bytes``,
 ``read_all(path) -> bytes``, ``open_parquet(path) -> pyarrow.parquet.ParquetFile``,
-``failure_kind(exc) -> str``.
+``object_info(path) -> dict``, ``failure_kind(exc) -> str``.
 
 Failures say what went wrong: only a genuinely missing object is "not found" (``is_file`` False, a
 read's ``FileNotFoundError``); a refused credential or an unreachable endpoint is an
@@ -49,6 +49,7 @@ __all__ = [
     "read_range",
     "read_all",
     "open_parquet",
+    "object_info",
     "failure_kind",
     "RETRY_ATTEMPTS",
     "RETRY_BACKOFF_S",
@@ -321,6 +322,14 @@ def read_all(path: str) -> bytes:
             return f.read()
     fs, p = filesystem(path)
     return _call(fs, path, lambda: fs.cat_file(p))
+
+
+def object_info(path: str) -> dict[str, Any]:
+    """The backend's ``info()`` of a remote ``path`` as it is now: one HEAD, never an entry of a
+    listing this process cached (that would describe the object as it was)."""
+    fs, p = filesystem(path)
+    fs.invalidate_cache(p)
+    return _call(fs, path, lambda: fs.info(p))
 
 
 def open_parquet(path: str) -> pq.ParquetFile:
