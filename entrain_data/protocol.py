@@ -36,7 +36,7 @@ __all__ = [
     "decode_header",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: a task's deliver entries list the tensors a stage does not read
 """Bumped on any incompatible change of the header or the framing."""
 
 KINDS = frozenset(

@@ -91,6 +91,21 @@ def test_same_named_tables_in_two_folders_are_keyed_apart_and_served(tmp_path):
             assert int(b - a) == len(texts[k.split("/")[0]][0]) + 2, k
 
 
+def test_a_table_beside_colliding_shards_keeps_the_keys_it_had():
+    """Rows keyed by their table's name take a path only where table names collide: a rebuilt
+    index of shards in two folders plus one table keeps its keys (and data fingerprint)."""
+    from entrain_data.workers.index_builder import _unique_keys
+
+    from entrain_data.metadata import SampleMeta
+
+    recs = [
+        SampleMeta("x", "/data/a/000.tar", 1, member="x"),
+        SampleMeta("x", "/data/b/000.tar", 1, member="x"),
+        SampleMeta("t.parquet:0", "/other/t.parquet", 1, row=0),
+    ]
+    assert [r.key for r in _unique_keys(recs)] == ["a/000.tar:x", "b/000.tar:x", "t.parquet:0"]
+
+
 def test_parquet_malformed_row_is_indexed_and_packed(tmp_path, shared_data):
     from entrain_data.workers.index_builder import build_index
     from entrain_data.workers.packing import make_packer

@@ -287,13 +287,20 @@ def _unique_keys(records: list[SampleMeta]) -> list[SampleMeta]:
         return records
     from dataclasses import replace
 
+    def made(r: SampleMeta) -> bool:  # a table row keyed by the table's name (no key column)
+        return not r.member and r.row >= 0 and r.key == f"{os.path.basename(r.source)}:{r.row}"
+
+    # table rows take a path only where their own keys collide: the keys of every other index
+    # stay as the previous release made them (a rebuild keeps the data fingerprint)
+    rows_made = [r.key for r in records if made(r)]
+    rows_collide = len(set(rows_made)) < len(rows_made)
+
     def own(r: SampleMeta) -> str | None:
         """The part of its key a record keeps under a prefix: a shard's member key, or a table
-        row's number where its key was made from the table's name (no key column)."""
+        row's number where table names collide."""
         if r.member:
             return r.member
-        made = r.row >= 0 and r.key == f"{os.path.basename(r.source)}:{r.row}"
-        return str(r.row) if made else None
+        return str(r.row) if rows_collide and made(r) else None
 
     def prefixed(name) -> list[SampleMeta]:
         return [
