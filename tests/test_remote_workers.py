@@ -182,17 +182,70 @@ def _wait_for(condition, proc: subprocess.Popen, seconds: float = 60) -> None:
 
 
 class _SlowSource:
-    """A remote worker's source whose one microbatch takes longer than the service's silence."""
+    """A remote worker's source whose one microbatch takes ``seconds`` (longer than the
+    service's silence by default) and then fails."""
+
+    def __init__(self, seconds: float = 2.5) -> None:
+        self.seconds = seconds
 
     def identity(self) -> str:
         return "slow"
 
     def make_packer(self):
         def pack(encoder_rows, llm_rows):
-            time.sleep(2.5)
+            time.sleep(self.seconds)
             raise SampleError("slow and broken", source="s.tar", key="k")
 
         return pack
+
+
+_TASK = {"task": 1, "epoch": 0, "iteration": 0, "microbatch": 0, "replica": 0,
+         "encoder_rows": [0], "llm_rows": [0]}  # fmt: skip
+
+
+def test_a_worker_busy_from_its_first_task_still_stops_when_its_service_dies():
+    """A worker learned the silence rule only from an answer to a heartbeat sent while idle;
+    one given work the moment it joined, whose service then died, waited forever."""
+    from entrain_data.workers.worker import run_remote_worker
+
+    from entrain_data import protocol
+    from entrain_data.errors import WorkerDied
+
+    ctx = zmq.Context()
+    svc = ctx.socket(zmq.ROUTER)
+    svc.setsockopt(zmq.LINGER, 0)
+    port = svc.bind_to_random_port("tcp://127.0.0.1")
+    raised: list[BaseException] = []
+
+    def service() -> None:  # a task at once; answers until the task's reply, then dies
+        while svc.poll(5000):
+            ident, *frames = svc.recv_multipart()
+            kind = protocol.decode(frames).kind
+            if kind == "ready":
+                svc.send_multipart([ident, *protocol.encode("task", _TASK)])
+            elif kind == "heartbeat":
+                svc.send_multipart([ident, *protocol.encode("heartbeat", {"silence": 1.0})])
+            else:
+                return  # the task's reply: gone without a word
+
+    def worker() -> None:
+        try:
+            run_remote_worker(f"tcp://127.0.0.1:{port}", _SlowSource(0.0), name="busy")
+        except BaseException as exc:  # noqa: BLE001 - what it raised is the finding
+            raised.append(exc)
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (service, worker)]
+    try:
+        for t in threads:
+            t.start()
+        threads[1].join(15)
+        assert not threads[1].is_alive(), "the worker never noticed its service had gone"
+        assert len(raised) == 1 and isinstance(raised[0], WorkerDied), raised
+        assert "no word from the service for 1s" in str(raised[0])
+    finally:
+        threads[0].join(10)
+        svc.close()
+        ctx.term()
 
 
 @pytest.mark.slow  # a 2.5 s task, then 3 s of heartbeats
@@ -208,8 +261,6 @@ def test_a_task_longer_than_the_silence_is_no_silence():
     svc.setsockopt(zmq.LINGER, 0)
     port = svc.bind_to_random_port("tcp://127.0.0.1")
     seen: list[str] = []
-    task = {"task": 1, "epoch": 0, "iteration": 0, "microbatch": 0, "replica": 0,
-            "encoder_rows": [0], "llm_rows": [0]}  # fmt: skip
 
     def service() -> None:  # answers as the coordinator does, stops the worker 3 s after
         stop_at = None
@@ -220,7 +271,7 @@ def test_a_task_longer_than_the_silence_is_no_silence():
             kind = protocol.decode(frames).kind
             seen.append(kind)
             if kind == "ready":
-                svc.send_multipart([ident, *protocol.encode("task", task)])
+                svc.send_multipart([ident, *protocol.encode("task", _TASK)])
             if kind in ("ready", "heartbeat"):
                 svc.send_multipart([ident, *protocol.encode("heartbeat", {"silence": 2.0})])
             if kind == "failed":
@@ -231,7 +282,7 @@ def test_a_task_longer_than_the_silence_is_no_silence():
     thread.start()
     try:
         run_remote_worker(f"tcp://127.0.0.1:{port}", _SlowSource(), name="slow")  # no raise
-        assert seen[:2] == ["ready", "failed"] and "heartbeat" in seen
+        assert seen[0] == "ready" and "failed" in seen and "heartbeat" in seen
     finally:
         thread.join(10)
         svc.close()

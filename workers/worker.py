@@ -154,6 +154,8 @@ def _serve_tasks(
     identity = getattr(source, "identity", lambda: None)() if heartbeat else None
     ready = {"pid": os.getpid(), "source": identity, "remote": heartbeat}
     sock.send_multipart(protocol.encode("ready", ready))
+    if heartbeat:  # asks the silence rule now: a worker busy from its first task still learns it
+        _send(sock, protocol.encode("heartbeat", {}), gone)
     heard, silence = time.monotonic(), None  # no rule before the first answer (a slow start)
     while True:
         if not sock.poll(_POLL_MS):
