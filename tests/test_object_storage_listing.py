@@ -6,6 +6,7 @@ around the filesystem's own ``info`` (each one HEAD), the server answers them.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -106,7 +107,7 @@ def test_empty_prefix_and_unmatched_glob_say_so_naming_the_pattern(store):
 
 def test_listed_objects_are_not_checked_again(store, monkeypatch):
     heads = _Heads(store, monkeypatch)
-    assert len(_expand(["s3://data/shards/", "s3://data/shards/*.tar"])) == 6
+    assert len(_expand(["s3://data/shards/", "s3://data/shards/*.tar"])) == 4  # each once
     assert heads.calls == []  # one listing each, no HEAD per object listed
 
 
@@ -151,7 +152,55 @@ def test_local_glob_expands_as_a_shell_would(tmp_path):
     for name in ("s-000.tar", "s-001.tar", ".s-002.tar", "notes.md"):
         (tmp_path / name).write_bytes(b"")
     (tmp_path / "photos").mkdir()
-    got = _expand([str(tmp_path / "s-*.tar"), str(tmp_path / "p*")])
-    assert got == [str(tmp_path / n) for n in ("s-000.tar", "s-001.tar", "photos")]
+    got = _expand([str(tmp_path / "s-*.tar"), str(tmp_path / "*")])
+    assert got == [str(tmp_path / n) for n in ("s-000.tar", "s-001.tar", "notes.md")]
     with pytest.raises(InvalidInput, match=r"nothing matches .*/x-\*\.tar \(from pattern"):
         _expand(str(tmp_path / "x-*.tar"))
+
+
+TREE = (
+    "loc/a.tar",
+    "loc/sub/t.tar",
+    "loc/sub/img/0.png",
+    "loc/sub/img/0.txt",
+    "loc/sub/.b.tar",
+    "loc/.tmp/x.tar",
+)
+
+
+def test_local_and_remote_globs_yield_the_same_files(store, tmp_path):
+    """One rule on both sides: a glob yields the files it matches, never a folder (a bucket has
+    none), hidden names only where the pattern spells the dot."""
+    for name in TREE:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"x")
+        store.pipe_file(f"data/{name}", b"x")
+    every = ["loc/a.tar", "loc/sub/img/0.png", "loc/sub/img/0.txt", "loc/sub/t.tar"]
+    for pattern, want in (
+        ("loc/**", every),
+        ("loc/*", ["loc/a.tar"]),
+        ("loc/**/*.tar", ["loc/a.tar", "loc/sub/t.tar"]),
+        ("loc/*/*.t?r", ["loc/sub/t.tar"]),
+        ("loc/sub/.*", ["loc/sub/.b.tar"]),
+        ("loc/.tmp/*", ["loc/.tmp/x.tar"]),
+    ):
+        local = [os.path.relpath(p, tmp_path) for p in _expand(str(tmp_path / pattern))]
+        remote = [u.removeprefix("s3://data/") for u in _expand(f"s3://data/{pattern}")]
+        assert local == remote == want, pattern
+
+
+def test_a_folder_is_indexed_once_where_an_input_names_it(tmp_path):
+    """A glob matching folders does not index them (``loc/*`` once indexed ``loc/sub`` as one
+    folder of loose files, ``loc/**`` each of ``loc``, ``loc/sub``, ``loc/sub/img`` again); a
+    folder named twice is read once."""
+    from entrain_data.workers.index_builder import build_index
+    from PIL import Image
+
+    img = tmp_path / "loc" / "sub" / "img"
+    img.mkdir(parents=True)
+    Image.new("RGB", (8, 6)).save(img / "0.png")
+    (img / "0.txt").write_text("a caption")
+    with pytest.raises(InvalidInput, match=r"loc/\* matches only folders \(.*/loc/sub;"):
+        build_index(str(tmp_path / "loc" / "*"), progress=False)
+    table = build_index([str(img), f"{img}/"], progress=False)
+    assert list(table.keys) == ["0"] and list(table.sources) == [str(img)]

@@ -1,11 +1,14 @@
 """Input patterns to the sources an index reads: braces, globs, object-storage prefixes, paths.
 
 ``expand_paths`` gives remote inputs the behaviour local ones have: a brace pattern expands in
-place (``shard-{000..099}.tar``); a glob (``*``, ``?``, ``[...]``, ``**``) expands to what it
-matches, as a shell would for a local path; a folder is one source (loose files, or its metadata
-file) and an object-storage prefix (``s3://bucket/shards/``, or a key that is only a prefix)
-stands for the shards and tables under it (its top-level ``metadata.*`` file instead, as a local
-folder is read through its metadata file).
+place (``shard-{000..099}.tar``); a glob (``*``, ``?``, ``[...]``, ``**``) expands to the *files*
+it matches, sorted, local and remote alike: never a folder, since object storage has none and a
+folder matched beside the files under it (``data/**`` matches ``data``, ``data/sub`` and
+``data/sub/0.tar``) would be indexed again through each. A folder or prefix is one source only
+where an input names it: a local folder (loose files, or its metadata file) and an
+object-storage prefix (``s3://bucket/shards/``, or a key that is only a prefix) standing for the
+shards and tables under it (its top-level ``metadata.*`` file instead, as a local folder is read
+through its metadata file). A path named twice is one input, at its first place.
 
 Object storage charges a round trip per request: what a listing returned is not asked about
 again, and explicit remote paths are checked with :data:`CHECK_THREADS` HEADs in flight, not one
@@ -97,21 +100,50 @@ def _under_prefix(prefix: str, pat: str) -> list[str]:
     return found
 
 
-def _matches(p: str, pat: str) -> list[str]:
-    """A glob's matches, sorted; hidden names only where the pattern spells the dot, as a shell.
-    A path that exists as written (a name with ``[`` in it) is itself when nothing matches."""
-    if storage.is_remote(p):
-        found = storage.glob_objects(p)
-        if not p.rsplit("/", 1)[-1].startswith("."):
-            found = [u for u in found if not u.rsplit("/", 1)[-1].startswith(".")]
+def _shown(url: str, p: str) -> bool:
+    """Whether a shell's glob ``p`` would match ``url``: a wildcard never matches a leading dot,
+    only a component of the pattern that spells it does, and ``**`` passes hidden folders over
+    (fsspec matches them all)."""
+    parts, pats = url.split("/"), p.split("/")
+    if "**" in pats:
+        head = pats[: pats.index("**")]
+        tail = pats[len(pats) - pats[::-1].index("**") :]
+        pairs = [*zip(head, parts), *zip(reversed(tail), reversed(parts))]
+        middle = parts[len(head) : len(parts) - len(tail)]
     else:
-        found = [m.rstrip("/") or "/" for m in sorted(glob.glob(p, recursive=True))]
+        pairs, middle = list(zip(pats, parts)), []
+    return not any(q.startswith(".") for q in middle) and all(
+        x.startswith(".") or not q.startswith(".") for x, q in pairs
+    )
+
+
+def _matches(p: str, pat: str) -> list[str]:
+    """A glob's file matches, sorted; hidden names only where the pattern spells the dot, as a
+    shell. A path that exists as written (a name with ``[`` in it) is itself when nothing
+    matches."""
+    if storage.is_remote(p):
+        found = [u for u in storage.glob_objects(p) if _shown(u, p)]
+    else:
+        hits = sorted(glob.glob(p, recursive=True))
+        found = [m for m in hits if os.path.isfile(m)]
+        folders = [m.rstrip("/") or "/" for m in hits if os.path.isdir(m)]
+        if folders and not found:
+            raise InvalidInput(
+                f"{p} matches only folders ({_some(folders)}; from pattern {pat!r}): a glob "
+                "yields files; name a folder itself to index it as one source"
+            )
     if found:
         return found
     kind = storage.path_kind(p)
     if kind is None:
         raise InvalidInput(f"nothing matches {p} (from pattern {pat!r})")
     return _resolved(p, pat, kind)
+
+
+def _some(names: list[str], most: int = 3) -> str:
+    """The first few of ``names`` for a message: a glob may match thousands."""
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(names[:most]) + more
 
 
 def _resolved(p: str, pat: str, kind: str | None | InvalidInput) -> list[str]:
@@ -146,9 +178,9 @@ def _kinds(paths: list[str]) -> list[str | None | InvalidInput]:
 
 
 def expand_paths(patterns: str | os.PathLike | Iterable[str | os.PathLike]) -> list[str]:
-    """Expand every pattern (module doc) in order; each result must be an existing file, a local
-    folder of loose files, or an object in storage (``s3://``, ``gs://``, ``https://``);
-    InvalidInput naming the path and its pattern otherwise."""
+    """Expand every pattern (module doc) in order, each path once; each result must be an
+    existing file, a local folder an input names, or an object in storage (``s3://``, ``gs://``,
+    ``https://``); InvalidInput naming the path and its pattern otherwise."""
     if isinstance(patterns, (str, os.PathLike)):
         patterns = [patterns]
     slots: list[list[str]] = []
@@ -168,4 +200,8 @@ def expand_paths(patterns: str | os.PathLike | Iterable[str | os.PathLike]) -> l
                 slots.append([])
     for (slot, p, pat), kind in zip(remote, _kinds([p for _, p, _ in remote])):
         slots[slot] = _resolved(p, pat, kind)
-    return [p for got in slots for p in got]
+    every = [p for got in slots for p in got]
+    out = list(dict.fromkeys(every))  # one input once: its samples would repeat in the index
+    if len(out) < len(every):
+        log.info("%d input(s) named more than once: each read once", len(every) - len(out))
+    return out
