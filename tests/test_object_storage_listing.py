@@ -204,3 +204,32 @@ def test_a_folder_is_indexed_once_where_an_input_names_it(tmp_path):
         build_index(str(tmp_path / "loc" / "*"), progress=False)
     table = build_index([str(img), f"{img}/"], progress=False)
     assert list(table.keys) == ["0"] and list(table.sources) == [str(img)]
+
+
+def test_every_input_naming_nothing_is_in_one_error_in_input_order(store, tmp_path):
+    """Local and remote, named paths, prefixes and globs: one error, in the order given (a missing
+    local path once came first whatever its place, and hid every other)."""
+    (tmp_path / "ok.tar").write_bytes(b"x")
+    inputs = [
+        "s3://data/nope.tar",
+        str(tmp_path / "gone.tar"),
+        "s3://data/shards/a-000.tar",
+        "s3://data/none/",
+        str(tmp_path / "ok.tar"),
+        str(tmp_path / "x-*.tar"),
+        "s3://data/shards/*.zip",
+        "s3://data/docs",
+    ]
+    with pytest.raises(InvalidInput) as err:
+        _expand(inputs)
+    msg = str(err.value)
+    named = ["nope.tar", "gone.tar", "s3://data/none/", "x-*.tar", "*.zip", "s3://data/docs/"]
+    at = [msg.find(n) for n in named]
+    assert -1 not in at and at == sorted(at), msg
+    assert msg.startswith("6 inputs name nothing to index: shard, table or folder not found: s3:")
+    assert "a-000.tar" not in msg and "ok.tar" not in msg
+    from entrain_data.workers.path_patterns import MAX_NAMED
+
+    with pytest.raises(InvalidInput, match=rf"^{MAX_NAMED + 2} inputs .*; and 2 more$") as err:
+        _expand(str(tmp_path / f"m-{{00..{MAX_NAMED + 1}}}.tar"))
+    assert f"m-{MAX_NAMED - 1:02d}.tar" in str(err.value) and f"m-{MAX_NAMED}" not in str(err.value)

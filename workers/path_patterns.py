@@ -28,7 +28,7 @@ from entrain_data.errors import InvalidInput
 
 from . import storage
 
-__all__ = ["CHECK_THREADS", "expand_braces", "expand_paths"]
+__all__ = ["CHECK_THREADS", "MAX_NAMED", "expand_braces", "expand_paths"]
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +37,18 @@ CHECK_THREADS = 16
 its answer, so thousands of shards one by one take minutes; 16 at once stay far below a bucket's
 request-rate limits (S3: 5,500 GET/HEAD a second per prefix)."""
 
+MAX_NAMED = 10
+"""Missing inputs one error names (then how many more): a brace pattern over a wrong folder
+misses thousands, and the message is one line."""
+
 _BRACE = re.compile(r"\{([^{}]*)\}")
 _MAGIC = re.compile(r"[*?\[]")
+
+
+class _Missing(InvalidInput):
+    """An input that names nothing to index (a missing path, an empty prefix, an unmatched glob):
+    gathered, so one error names every such input; a storage failure (credentials, endpoint)
+    concerns them all and is raised at once."""
 
 
 def expand_braces(pattern: str) -> list[str]:
@@ -78,7 +88,7 @@ def _under_prefix(prefix: str, pat: str) -> list[str]:
         if not any(part.startswith(".") for part in rel.split("/")):
             visible.append(url)
     if not visible:
-        raise InvalidInput(f"no objects under {base} (from pattern {pat!r})")
+        raise _Missing(f"no objects under {base} (from pattern {pat!r})")
     for name in METADATA_NAMES:
         if base + name in visible:
             return [base + name]
@@ -88,7 +98,7 @@ def _under_prefix(prefix: str, pat: str) -> list[str]:
         metas = [u for u in visible if is_metadata_file(u)]
         hint = f"; to index through a metadata file, name it: {metas[0]}" if metas else ""
         n = len(visible)
-        raise InvalidInput(
+        raise _Missing(
             f"no shard ({', '.join(TAR_SUFFIXES + GZIP_TAR_SUFFIXES)}) or table "
             f"({', '.join(PARQUET_SUFFIXES)}) under {base}, only {n} other object{'s' * (n > 1)} "
             f"such as {visible[0]} (from pattern {pat!r}){hint}"
@@ -128,7 +138,7 @@ def _matches(p: str, pat: str) -> list[str]:
         found = [m for m in hits if os.path.isfile(m)]
         folders = [m.rstrip("/") or "/" for m in hits if os.path.isdir(m)]
         if folders and not found:
-            raise InvalidInput(
+            raise _Missing(
                 f"{p} matches only folders ({_some(folders)}; from pattern {pat!r}): a glob "
                 "yields files; name a folder itself to index it as one source"
             )
@@ -136,7 +146,7 @@ def _matches(p: str, pat: str) -> list[str]:
         return found
     kind = storage.path_kind(p)
     if kind is None:
-        raise InvalidInput(f"nothing matches {p} (from pattern {pat!r})")
+        raise _Missing(f"nothing matches {p} (from pattern {pat!r})")
     return _resolved(p, pat, kind)
 
 
@@ -154,7 +164,7 @@ def _resolved(p: str, pat: str, kind: str | None | InvalidInput) -> list[str]:
         return [p]
     if kind == "directory":
         return _under_prefix(p, pat) if storage.is_remote(p) else [p.rstrip("/") or "/"]
-    raise InvalidInput(f"shard, table or folder not found: {p} (from pattern {pat!r})")
+    raise _Missing(f"shard, table or folder not found: {p} (from pattern {pat!r})")
 
 
 def _kind_or_error(path: str) -> str | None | InvalidInput:
@@ -177,29 +187,56 @@ def _kinds(paths: list[str]) -> list[str | None | InvalidInput]:
         return [first, *pool.map(_kind_or_error, paths[1:])]
 
 
+def _expand(p: str, pat: str) -> list[str] | None:
+    """What one path of a pattern stands for; None for a named remote path, checked later with
+    the others (:func:`_kinds`)."""
+    local = not storage.is_remote(p)
+    if _MAGIC.search(p) and (storage.is_listable(p) or local and not os.path.exists(p)):
+        return _matches(p, pat)
+    if storage.is_listable(p) and p.endswith("/"):
+        return _under_prefix(p, pat)
+    if local:
+        return _resolved(p, pat, storage.path_kind(p))
+    return None
+
+
+def _missing_error(why: list[str]) -> InvalidInput:
+    """One error for every input that names nothing, in input order (at most :data:`MAX_NAMED`)."""
+    if len(why) == 1:
+        return InvalidInput(why[0])
+    more = f"; and {len(why) - MAX_NAMED} more" if len(why) > MAX_NAMED else ""
+    return InvalidInput(
+        f"{len(why)} inputs name nothing to index: {'; '.join(why[:MAX_NAMED])}{more}"
+    )
+
+
 def expand_paths(patterns: str | os.PathLike | Iterable[str | os.PathLike]) -> list[str]:
     """Expand every pattern (module doc) in order, each path once; each result must be an
     existing file, a local folder an input names, or an object in storage (``s3://``, ``gs://``,
-    ``https://``); InvalidInput naming the path and its pattern otherwise."""
+    ``https://``). Every input that names nothing is named, with its pattern, in one
+    InvalidInput, in input order: local and remote alike, found in one pass, not one per run."""
     if isinstance(patterns, (str, os.PathLike)):
         patterns = [patterns]
     slots: list[list[str]] = []
+    missing: dict[int, str] = {}  # slot -> why it names nothing
     remote: list[tuple[int, str, str]] = []  # (slot, path, pattern): checked together
     for pattern in patterns:
         pat = os.fspath(pattern)
         for p in expand_braces(pat):
-            local = not storage.is_remote(p)
-            if _MAGIC.search(p) and (storage.is_listable(p) or local and not os.path.exists(p)):
-                slots.append(_matches(p, pat))
-            elif storage.is_listable(p) and p.endswith("/"):
-                slots.append(_under_prefix(p, pat))
-            elif local:
-                slots.append(_resolved(p, pat, storage.path_kind(p)))
-            else:
+            try:
+                got = _expand(p, pat)
+            except _Missing as exc:
+                missing[len(slots)], got = str(exc), []
+            if got is None:
                 remote.append((len(slots), p, pat))
-                slots.append([])
+            slots.append(got or [])
     for (slot, p, pat), kind in zip(remote, _kinds([p for _, p, _ in remote])):
-        slots[slot] = _resolved(p, pat, kind)
+        try:
+            slots[slot] = _resolved(p, pat, kind)
+        except _Missing as exc:
+            missing[slot] = str(exc)
+    if missing:
+        raise _missing_error([missing[s] for s in sorted(missing)])
     every = [p for got in slots for p in got]
     out = list(dict.fromkeys(every))  # one input once: its samples would repeat in the index
     if len(out) < len(every):
