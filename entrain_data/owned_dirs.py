@@ -12,6 +12,10 @@ pid this one cannot see.
 
 Names are ``{prefix}{pid}-{random}``: the pid of the process that made the directory,
 for :func:`remove_orphaned_dirs`'s ``pid`` filter and for a reader of ``ls``.
+
+A process started to use the directory gets the maker's lock with it (:func:`hold_in_child`):
+had it taken its own only once its interpreter ran, a maker killed with SIGKILL in between
+would leave the directory held by nobody, and a sweep would remove it under a live process.
 """
 
 from __future__ import annotations
@@ -21,8 +25,16 @@ import glob
 import os
 import shutil
 import tempfile
+from multiprocessing import reduction
+from typing import Any
 
-__all__ = ["drop_owned_dir", "hold_owned_dir", "make_owned_dir", "remove_orphaned_dirs"]
+__all__ = [
+    "drop_owned_dir",
+    "hold_in_child",
+    "hold_owned_dir",
+    "make_owned_dir",
+    "remove_orphaned_dirs",
+]
 
 _NEW = ".new-"  # put before the prefix of a directory being made: not yet locked, never swept
 _OWNER = ".owner"
@@ -56,6 +68,41 @@ def hold_owned_dir(path: str) -> bool:
     fcntl.flock(fd, fcntl.LOCK_SH)
     _HELD[path] = fd
     return True
+
+
+class _Handoff:
+    """Pickled while a child process is started, this process's lock descriptor goes with it
+    (multiprocessing passes it as it passes a ``Pipe`` end: the same open file, so the same
+    ``flock``); unpickled in the child, it becomes the child's hold. Never ``LOCK_UN`` it:
+    that would release the maker's hold too (closing a descriptor releases nothing while
+    another refers to the open file)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        fd = _HELD.get(self.path)
+        return _adopt, (self.path, None if fd is None else reduction.DupFd(fd))
+
+
+def _adopt(path: str, dup: Any) -> str:
+    """The child's side of :class:`_Handoff`: keep the descriptor as this process's hold."""
+    if dup is not None:
+        fd = dup.detach()
+        os.set_inheritable(fd, False)  # held by this process only, not by what it execs
+        if path in _HELD:
+            os.close(fd)
+        else:
+            _HELD[path] = fd
+    return path
+
+
+def hold_in_child(path: str) -> Any:
+    """An argument for a ``multiprocessing`` process being started (spawn or forkserver) that
+    makes it hold ``path``, which this process made or holds, from the moment it exists: so a
+    sweep never finds the directory unheld while the child lives, even if this process is
+    killed before the child runs a line. The child receives ``path`` itself."""
+    return _Handoff(path)
 
 
 def drop_owned_dir(path: str) -> None:

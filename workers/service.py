@@ -29,7 +29,7 @@ from entrain_data.errors import (
     error_fields,
     error_from_fields,
 )
-from entrain_data.owned_dirs import drop_owned_dir, hold_owned_dir, make_owned_dir
+from entrain_data.owned_dirs import drop_owned_dir, hold_in_child, hold_owned_dir, make_owned_dir
 from entrain_data.plan import ParallelPlan
 from entrain_data.shared_batch import remove_shared_dirs
 
@@ -296,12 +296,14 @@ def serve_foreground(
     return coord.stats()
 
 
-def _coordinator_main(cfg: ServiceConfig, reason: Any) -> None:
-    """The service process: run, and on failure hand the typed error to the parent's handle."""
+def _coordinator_main(cfg: ServiceConfig, reason: Any, held: Any = None) -> None:
+    """The service process: run, and on failure hand the typed error to the parent's handle.
+
+    ``held``: the socket folder, whose lock came with this process (``hold_in_child``)."""
     logging.basicConfig(
         level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if cfg.own_dir:  # ours too: the process that started us may end first
+    if cfg.own_dir:  # ours too, already (the lock came with us): the parent may end first
         hold_owned_dir(cfg.own_dir)
     try:
         Coordinator(cfg).run(install_signals=True)
@@ -382,11 +384,15 @@ class ServiceHandle:
 
 
 def start_service(**options: Any) -> ServiceHandle:
-    """Spawn a coordinator (and its workers) for ``options`` (see :func:`make_config`)."""
+    """Spawn a coordinator (and its workers) for ``options`` (see :func:`make_config`).
+
+    The coordinator holds the socket folder from its spawn on, before this returns: this
+    process killed at any point after cannot leave the folder to the next service's sweep."""
     cfg = make_config(**options)
     ctx = mp.get_context("spawn")
     reader, writer = ctx.Pipe(duplex=False)
-    p = ctx.Process(target=_coordinator_main, args=(cfg, writer), name="entrain-coordinator")
+    held = hold_in_child(cfg.own_dir) if cfg.own_dir else None
+    p = ctx.Process(target=_coordinator_main, args=(cfg, writer, held), name="entrain-coordinator")
     try:
         p.start()
     except BaseException:
