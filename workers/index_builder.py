@@ -7,11 +7,12 @@ skipped=None, metadata=None, captions="first") -> SampleTable``
 
 - ``paths``: shards (``.tar``, ``.tgz``, ``.tar.gz``), tables (``.parquet``) and local folders of
   loose files (:mod:`.loose_files`: ``name.jpg`` + ``name.txt``/``name.json``), metadata files
-  (:mod:`.metadata_source`: ``.json``/``.jsonl``/``.csv``, one sample per record; a folder holding
-  ``metadata`` (a file name) or ``metadata.jsonl``/``.csv``/``.parquet`` is read through it, its
-  fields mapped by ``parquet_columns``, list-of-captions text by ``captions``), brace patterns
-  allowed (``data/shard-{000..127}.tar``); shards and tables may be ``s3://``, ``gs://`` or
-  ``https://`` URLs (:mod:`.storage`), read by byte range: one pass over a shard in 4 MiB
+  (:mod:`.metadata_source`: ``.json``/``.jsonl``/``.csv``, one sample per record; a folder or
+  object-storage prefix holding ``metadata`` (a file name) or ``metadata.jsonl``/``.csv``/
+  ``.parquet`` is read through it (:mod:`.path_patterns`), its fields mapped by
+  ``parquet_columns``, list-of-captions text by ``captions``), brace patterns and globs allowed
+  (``data/shard-{000..127}.tar``); shards, tables and metadata files may be ``s3://``, ``gs://``
+  or ``https://`` URLs (:mod:`.storage`), read by byte range: one pass over a shard in 4 MiB
   ranges (tar headers, text and audio members, the first 64 KiB of each image: its header).
 - Shards: a sample is the group of members sharing a key (see :mod:`.sources`). Image sizes come
   from the image headers (PIL opens lazily, no pixel decode), audio durations from the audio
@@ -53,7 +54,7 @@ from entrain_data.metadata import SampleMeta, SampleTable, VisionItem
 
 from . import decode
 from .loose_files import DirectorySource
-from .metadata_source import METADATA_NAMES, MetadataSource, is_metadata_file
+from .metadata_source import MetadataSource, is_metadata_file
 from .source_identity import probe_identity
 from .sources import PARQUET_SUFFIXES, TarShard, expand_paths, row_members
 from .storage import INDEX_BLOCK, is_dir, open_parquet
@@ -187,20 +188,6 @@ def index_metadata(
                 raise err from exc
             _skip(skipped, key, path, err)
     return out, src.columns
-
-
-def metadata_file_of(folder: str, metadata: str | None = None) -> str | None:
-    """The metadata file a folder is read through: ``metadata`` (relative to the folder, or a
-    path), else the first of :data:`.metadata_source.METADATA_NAMES` present, else None."""
-    if metadata:
-        p = metadata if os.path.isabs(metadata) else os.path.join(folder, metadata)
-        if not os.path.isfile(p):
-            raise InvalidInput(f"metadata file not found: {p}")
-        return p
-    for name in METADATA_NAMES:
-        if os.path.isfile(os.path.join(folder, name)):
-            return os.path.join(folder, name)
-    return None
 
 
 def _as_list(v: Any) -> list[Any]:
@@ -339,17 +326,6 @@ def _hint_metadata(folder: str, exc: SampleError) -> None:
         ) from exc
 
 
-def _resolve_inputs(files: Sequence[str], metadata: str | None) -> list[str]:
-    """Folders read through a metadata file become that file; the rest stay as given."""
-    out = []
-    for p in files:
-        meta = metadata_file_of(p, metadata) if is_dir(p) else None
-        if meta is None and metadata and not is_dir(p):
-            raise InvalidInput(f"--metadata names a file inside a folder; {p} is not a folder")
-        out.append(meta or p)
-    return out
-
-
 def _identity_before_reading(path: str) -> dict[str, int | str] | None:
     """``path``'s identity before its samples are read, so a file changed while it was indexed
     reads as changed later; None for a folder, or a file the probe cannot reach (reading it then
@@ -377,7 +353,7 @@ def build_index(
     """Index shards, tables, folders and metadata files (module doc); keys unique across all."""
     if on_error not in ("raise", "skip"):
         raise InvalidInput(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-    files: Sequence[str] = _resolve_inputs(expand_paths(paths), metadata)
+    files: Sequence[str] = expand_paths(paths, metadata=metadata)  # folders: their metadata file
     if not files:
         raise InvalidInput("build_index: no shards or tables given")
     metas = [f for f in files if is_metadata_file(f)]

@@ -5,10 +5,11 @@ place (``shard-{000..099}.tar``); a glob (``*``, ``?``, ``[...]``, ``**``) expan
 it matches, sorted, local and remote alike: never a folder, since object storage has none and a
 folder matched beside the files under it (``data/**`` matches ``data``, ``data/sub`` and
 ``data/sub/0.tar``) would be indexed again through each. A folder or prefix is one source only
-where an input names it: a local folder (loose files, or its metadata file) and an
-object-storage prefix (``s3://bucket/shards/``, or a key that is only a prefix) standing for the
-shards and tables under it (its top-level ``metadata.*`` file instead, as a local folder is read
-through its metadata file). A path named twice is one input, at its first place.
+where an input names it, local folder and object-storage prefix (``s3://bucket/ds/``, or a key
+that is only a prefix) alike: read through the metadata file ``metadata`` names inside it (the
+CLI's ``--metadata``: one HEAD, no listing), else through its top-level ``metadata.jsonl`` /
+``.csv`` / ``.parquet``, else as its loose files (a local folder) or the shards and tables under
+it (a prefix). A path named twice is one input, at its first place.
 
 Object storage charges a round trip per request: what a listing returned is not asked about
 again, and explicit remote paths are checked with :data:`CHECK_THREADS` HEADs in flight, not one
@@ -127,7 +128,7 @@ def _shown(url: str, p: str) -> bool:
     )
 
 
-def _matches(p: str, pat: str) -> list[str]:
+def _matches(p: str, pat: str, metadata: str | None) -> list[str]:
     """A glob's file matches, sorted; hidden names only where the pattern spells the dot, as a
     shell. A path that exists as written (a name with ``[`` in it) is itself when nothing
     matches."""
@@ -142,12 +143,14 @@ def _matches(p: str, pat: str) -> list[str]:
                 f"{p} matches only folders ({_some(folders)}; from pattern {pat!r}): a glob "
                 "yields files; name a folder itself to index it as one source"
             )
+    if found and metadata:
+        raise _not_a_folder(f"{p} is a glob, which yields files", pat, metadata)
     if found:
         return found
     kind = storage.path_kind(p)
     if kind is None:
         raise _Missing(f"nothing matches {p} (from pattern {pat!r})")
-    return _resolved(p, pat, kind)
+    return _resolved(p, pat, kind, metadata)
 
 
 def _some(names: list[str], most: int = 3) -> str:
@@ -156,14 +159,46 @@ def _some(names: list[str], most: int = 3) -> str:
     return ", ".join(names[:most]) + more
 
 
-def _resolved(p: str, pat: str, kind: str | None | InvalidInput) -> list[str]:
-    """A checked path: a file is itself, a local folder one source, a remote prefix listed."""
+def _not_a_folder(what: str, pat: str, metadata: str) -> InvalidInput:
+    return InvalidInput(
+        f"--metadata {metadata} names a file inside each folder or prefix given; {what} (from "
+        f"pattern {pat!r}): name the folders, or give metadata files without --metadata"
+    )
+
+
+def _folder(p: str, pat: str, metadata: str | None) -> list[str]:
+    """What a folder or prefix an input names stands for (module doc)."""
+    from .metadata_source import METADATA_NAMES
+
+    if metadata:
+        if os.path.isabs(metadata) or storage.is_remote(metadata):
+            path = metadata  # one file for every folder given
+        elif storage.is_remote(p):
+            path = p.rstrip("/") + "/" + metadata
+        else:
+            path = os.path.join(p, metadata)
+        if storage.path_kind(path) != "file":
+            raise _Missing(f"metadata file not found: {path} (from pattern {pat!r})")
+        return [path]
+    if storage.is_remote(p):
+        return _under_prefix(p, pat)
+    folder = p.rstrip("/") or "/"
+    for name in METADATA_NAMES:
+        if os.path.isfile(os.path.join(folder, name)):
+            return [os.path.join(folder, name)]
+    return [folder]
+
+
+def _resolved(p: str, pat: str, kind: str | None | InvalidInput, metadata: str | None) -> list[str]:
+    """A checked path: a file is itself, a folder or prefix what :func:`_folder` says."""
     if isinstance(kind, InvalidInput):
         raise kind
+    if kind == "file" and metadata:
+        raise _not_a_folder(f"{p} is a file", pat, metadata)
     if kind == "file":
         return [p]
     if kind == "directory":
-        return _under_prefix(p, pat) if storage.is_remote(p) else [p.rstrip("/") or "/"]
+        return _folder(p, pat, metadata)
     raise _Missing(f"shard, table or folder not found: {p} (from pattern {pat!r})")
 
 
@@ -187,16 +222,16 @@ def _kinds(paths: list[str]) -> list[str | None | InvalidInput]:
         return [first, *pool.map(_kind_or_error, paths[1:])]
 
 
-def _expand(p: str, pat: str) -> list[str] | None:
+def _expand(p: str, pat: str, metadata: str | None) -> list[str] | None:
     """What one path of a pattern stands for; None for a named remote path, checked later with
     the others (:func:`_kinds`)."""
     local = not storage.is_remote(p)
     if _MAGIC.search(p) and (storage.is_listable(p) or local and not os.path.exists(p)):
-        return _matches(p, pat)
+        return _matches(p, pat, metadata)
     if storage.is_listable(p) and p.endswith("/"):
-        return _under_prefix(p, pat)
+        return _folder(p, pat, metadata)
     if local:
-        return _resolved(p, pat, storage.path_kind(p))
+        return _resolved(p, pat, storage.path_kind(p), metadata)
     return None
 
 
@@ -210,11 +245,16 @@ def _missing_error(why: list[str]) -> InvalidInput:
     )
 
 
-def expand_paths(patterns: str | os.PathLike | Iterable[str | os.PathLike]) -> list[str]:
+def expand_paths(
+    patterns: str | os.PathLike | Iterable[str | os.PathLike], *, metadata: str | None = None
+) -> list[str]:
     """Expand every pattern (module doc) in order, each path once; each result must be an
     existing file, a local folder an input names, or an object in storage (``s3://``, ``gs://``,
     ``https://``). Every input that names nothing is named, with its pattern, in one
-    InvalidInput, in input order: local and remote alike, found in one pass, not one per run."""
+    InvalidInput, in input order: local and remote alike, found in one pass, not one per run.
+
+    ``metadata``: the file each folder or prefix is read through (relative to it, or a path of
+    its own); every input must then be a folder or prefix."""
     if isinstance(patterns, (str, os.PathLike)):
         patterns = [patterns]
     slots: list[list[str]] = []
@@ -224,7 +264,7 @@ def expand_paths(patterns: str | os.PathLike | Iterable[str | os.PathLike]) -> l
         pat = os.fspath(pattern)
         for p in expand_braces(pat):
             try:
-                got = _expand(p, pat)
+                got = _expand(p, pat, metadata)
             except _Missing as exc:
                 missing[len(slots)], got = str(exc), []
             if got is None:
@@ -232,7 +272,7 @@ def expand_paths(patterns: str | os.PathLike | Iterable[str | os.PathLike]) -> l
             slots.append(got or [])
     for (slot, p, pat), kind in zip(remote, _kinds([p for _, p, _ in remote])):
         try:
-            slots[slot] = _resolved(p, pat, kind)
+            slots[slot] = _resolved(p, pat, kind, metadata)
         except _Missing as exc:
             missing[slot] = str(exc)
     if missing:
