@@ -16,12 +16,18 @@ for :func:`remove_orphaned_dirs`'s ``pid`` filter and for a reader of ``ls``.
 A process started to use the directory gets the maker's lock with it (:func:`hold_in_child`):
 had it taken its own only once its interpreter ran, a maker killed with SIGKILL in between
 would leave the directory held by nobody, and a sweep would remove it under a live process.
+
+On a filesystem without ``flock`` (Lustre mounted without ``-o flock``) a directory is made
+without its lock file, with a warning: what a process killed there leaves stays behind, as
+no sweep removes a directory whose owner it cannot tell.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import glob
+import logging
 import os
 import shutil
 import tempfile
@@ -36,6 +42,10 @@ __all__ = [
     "remove_orphaned_dirs",
 ]
 
+log = logging.getLogger(__name__)
+
+# what flock raises on a filesystem that has none (Lustre without -o flock, some NFS setups)
+_NO_FLOCK = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL})
 _NEW = ".new-"  # put before the prefix of a directory being made: not yet locked, never swept
 _OWNER = ".owner"
 _HELD: dict[str, int] = {}  # this process's directories -> the descriptor holding the lock
@@ -43,17 +53,46 @@ _HELD: dict[str, int] = {}  # this process's directories -> the descriptor holdi
 
 def make_owned_dir(root: str, prefix: str) -> str:
     """A new directory ``root/{prefix}{pid}-{random}`` this process holds; first removes the
-    ones of ``prefix`` in ``root`` that nobody holds any more."""
+    ones of ``prefix`` in ``root`` that nobody holds any more. Where ``root`` has no ``flock``
+    it is made unheld, without a lock file (see the module's docstring)."""
     remove_orphaned_dirs(root, prefix)
     tmp = tempfile.mkdtemp(prefix=f"{_NEW}{prefix}", dir=root)
-    fd = os.open(os.path.join(tmp, _OWNER), os.O_RDWR | os.O_CREAT, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_SH)
-    # renamed only once locked: a sweep never sees it unlocked while this process lives
-    tail = os.path.basename(tmp)[len(_NEW) + len(prefix) :]
-    path = os.path.join(root, f"{prefix}{os.getpid()}-{tail}")
-    os.rename(tmp, path)
-    _HELD[path] = fd
+    try:
+        fd, why = _lock_new(os.path.join(tmp, _OWNER))
+        # renamed only once locked: a sweep never sees it unlocked while this process lives
+        tail = os.path.basename(tmp)[len(_NEW) + len(prefix) :]
+        path = os.path.join(root, f"{prefix}{os.getpid()}-{tail}")
+        os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if fd is None:
+        log.warning(
+            "%s: made without its lock file, as %s has no flock (%s): if this process is "
+            "killed with SIGKILL the folder stays behind (mount with -o flock, or use another "
+            "folder, to have the next process remove it)",
+            path,
+            root,
+            why,
+        )
+    else:
+        _HELD[path] = fd
     return path
+
+
+def _lock_new(owner: str) -> tuple[int | None, str]:
+    """A descriptor holding a shared lock on the new lock file ``owner``; ``(None, why)`` where
+    the filesystem has no ``flock``, the file then removed: no sweep judges that directory."""
+    fd = os.open(owner, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno not in _NO_FLOCK:
+            raise
+        os.unlink(owner)
+        return None, exc.strerror or str(exc)
+    return fd, ""
 
 
 def hold_owned_dir(path: str) -> bool:
@@ -65,7 +104,13 @@ def hold_owned_dir(path: str) -> bool:
         fd = os.open(os.path.join(path, _OWNER), os.O_RDONLY)
     except OSError:
         return False
-    fcntl.flock(fd, fcntl.LOCK_SH)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in _NO_FLOCK:
+            return False
+        raise
     _HELD[path] = fd
     return True
 
@@ -128,7 +173,7 @@ def remove_orphaned_dirs(root: str, prefix: str, pid: int | None = None) -> list
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # held: a process using it is alive
+        except OSError:  # held (a process using it is alive), or no flock: owner unknown
             os.close(fd)
             continue
         try:  # removed while locked: nobody can take it up meanwhile
