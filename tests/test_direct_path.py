@@ -4,7 +4,7 @@ The coordinator keeps control (schedule, credits, recovery) and no payload byte
 passes through it (``bytes_relayed`` stays 0); a rank that asks for the route of
 earlier releases (``direct=False``) or cannot be reached gets the same stream
 through the coordinator. A rank on a pipeline stage without encoder layers gets
-its microbatches without the encoder feature tensors.
+its microbatches without the encoder feature tensors, on either route.
 """
 
 from __future__ import annotations
@@ -158,6 +158,45 @@ def test_each_pipeline_stage_receives_what_it_reads(tmp_path, dataset):
         assert sum(len(mb.encoder_keys) for mb in first) == len(read_index(dataset).keys)
         close_all(loaders)
     finally:
+        svc.close()
+
+
+def test_the_relayed_route_drops_what_a_stage_never_reads_as_the_direct_route_does(
+    tmp_path, dataset
+):
+    """Both stages served through the coordinator (``direct=False``): the LLM-only stage was
+    relayed every image's pixels, which only the direct route left out."""
+    source = CustomSource(
+        PixelPacker(TarTextPacker(str(dataset))), TextCosts(str(dataset)), IndexKeys(str(dataset))
+    )
+    keys = list(read_index(dataset).keys)
+    svc = start_service(
+        plan=_two_stage_plan(), source=source, workers=2, socket_dir=str(tmp_path / "sock")
+    )
+    loaders = []
+    try:
+        loaders = [
+            EntrainLoader(svc.endpoint, r, prefetch=2, timeout=30, direct=False) for r in (0, 1)
+        ]
+        its = [iter(ld) for ld in loaders]
+        first, last = [], []
+        for a, b in zip(*its):  # in lockstep, as a pipeline trains
+            first.append(a)
+            last.append(b)
+        assert [mb.llm_keys for mb in first] == [mb.llm_keys for mb in last]
+        assert all("pixel_values" in mb and "image_sample" in mb for mb in first)
+        assert not any("pixel_values" in mb for mb in last)  # the bulk stays with stage 0
+        assert all("image_sample" in mb for mb in last)  # what it may read still comes
+        for a, b in zip(first, last):
+            assert a["input_ids"].equal(b["input_ids"]) and a["cu_seqlens"].equal(b["cu_seqlens"])
+        assert_exactly_once({0: first}, keys)
+        assert sum(len(mb.llm_keys) for mb in last) == len(keys)
+        stats = loaders[0].stats()
+        assert stats["direct_ranks"] == [] and stats["samples_served"] == 2 * len(keys)
+        got = sum(t.numel() * t.element_size() for mb in first + last for t in mb.tensors.values())
+        assert stats["bytes_relayed"] == stats["bytes_served"] == got  # relayed what each reads
+    finally:
+        close_all(loaders)
         svc.close()
 
 

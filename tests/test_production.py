@@ -3,9 +3,13 @@ task names, what the worker returns, and how a rank's report of what it holds re
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import zmq
+from entrain_data.workers.delivery import without_unread
 from entrain_data.workers.production import Production, RankState
 
+from entrain_data import protocol
 from entrain_data.errors import ProtocolError
 
 
@@ -93,3 +97,51 @@ def test_a_lost_worker_puts_its_microbatch_back_and_malformed_credits_are_refuse
     for bad in ({"n": -1}, {"n": 1, "next": ["x"]}, {"n": 1, "tcp": {"endpoint": "ipc://x"}}):
         with pytest.raises(ProtocolError):
             r.credit(bad, lambda e, i, m: _pos(e, i, m), 24)
+
+
+def _payload() -> list[zmq.Frame]:
+    """A ``batch`` message as the coordinator holds one: zmq frames, pixels and mel frames."""
+    tensors = {
+        "input_ids": np.arange(6, dtype=np.int64),
+        "pixel_values": np.full((4, 12), 7, dtype=np.uint8),
+        "image_sample": np.zeros(4, dtype=np.int64),
+        "audio_features": np.ones((2, 8), dtype=np.float32),
+    }
+    fields = {"epoch": 0, "iteration": 0, "microbatch": 0, "llm_keys": ["a", "b"]}
+    return [zmq.Frame(bytes(f)) for f in protocol.encode("batch", fields, tensors)]
+
+
+def test_a_relayed_message_loses_the_frames_its_rank_never_reads_and_keeps_the_rest_as_is():
+    frames = _payload()
+    assert without_unread(frames, ()) is frames
+    assert without_unread(frames, ("pixel_values_videos",)) is frames  # nothing of it here
+    kept = without_unread(frames, ("audio_features", "pixel_values"))
+    msg = protocol.decode(kept)
+    assert [s.name for s in msg.specs] == ["input_ids", "image_sample"]
+    assert kept[1] is frames[1] and kept[2] is frames[3]  # the same frames: no byte copied
+    assert msg.header["llm_keys"] == ["a", "b"] and msg.arrays()["input_ids"].tolist() == [
+        *range(6)
+    ]
+
+
+def test_hop_ranks_and_direct_ranks_fed_from_a_payload_get_only_what_their_stage_reads():
+    """The relay applies the direct route's rule: a hop rank on an LLM-only stage, and a direct
+    rank whose microbatch a remote worker brought back, are not sent the pixels."""
+    unread = ("audio_features", "pixel_values", "pixel_values_videos")
+    prod = Production(window=4, end_pos=24)
+    encoder = RankState(b"e", 0, 0, 0, credits=2)
+    llm = [RankState(bytes([r]), r, 0, 0, credits=2, unread=unread) for r in (1, 2)]
+    fed = _direct(3)
+    fed.unread = unread
+    prod.ready[(0, 0)] = (_payload(), 2)
+    assert [len(f) for _, f, _ in prod.deliverable(encoder)] == [5]  # all of it
+    (pos, a, n), (_, b, _) = prod.deliverable(llm[0]) + prod.deliverable(llm[1])
+    assert pos == 0 and n == 2 and a is b  # built once for both LLM-only peers
+    assert [s.name for s in protocol.decode(a).specs] == ["input_ids", "image_sample"]
+    (_, c, _) = prod.deliverable(fed)[0]
+    assert c is a
+    prod.plan([fed])  # still in its window
+    assert (0, 0) in prod.ready and prod.variants
+    fed.next_pos = 1
+    prod.plan([fed])  # left every window: the payload and its variants go
+    assert not prod.ready and not prod.variants

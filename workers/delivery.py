@@ -1,7 +1,13 @@
-"""A worker's direct route: send a packed microbatch straight to the ranks that need it.
+"""What each rank is sent of a microbatch, and a worker's direct route to the ranks that need it.
 
-The task names each destination rank with its ipc data socket and whether its
-pipeline stage reads the encoder inputs. The first pipeline stage (or any stage
+:func:`unread_features` is the one rule for which encoder inputs a rank's pipeline
+stage never reads; both routes apply it. The direct route (:class:`Deliverer`)
+leaves them out when it encodes; the coordinator's relay (hop ranks, and payloads a
+remote worker brought back) drops their frames from the message it forwards with
+:func:`without_unread`, the kept frames passed on untouched.
+
+The task names each destination rank with its data socket and the encoder inputs
+its pipeline stage does not read. The first pipeline stage (or any stage
 holding an encoder) gets the whole microbatch; a stage that holds only LLM layers
 gets it without the encoder feature tensors (pixels, video pixels, audio
 features), which are nearly all of its bytes and which that stage never reads; a
@@ -23,15 +29,17 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Collection
 from typing import Any
 
+import msgpack
 import zmq
 
 from entrain_data import protocol
 from entrain_data.shared_batch import SegmentPool
 from entrain_data.tcp import family_for
 
-__all__ = ["FEATURE_TENSORS", "Deliverer", "unread_features"]
+__all__ = ["FEATURE_TENSORS", "Deliverer", "unread_features", "without_unread"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +65,26 @@ def unread_features(plan: Any, stage: Any) -> tuple[str, ...]:
     spec = plan.model_spec().encoders
     read = set().union(*(_READS.get(spec[e].kind, FEATURE_TENSORS) for e in encoders))
     return tuple(sorted(FEATURE_TENSORS - read))
+
+
+def without_unread(frames: list[Any], unread: Collection[str]) -> list[Any]:
+    """The ``batch`` message ``frames`` without the tensors named in ``unread``.
+
+    A frame-level drop: the header is re-listed without their specs and their frames left
+    out; every kept frame is the same object (no payload byte decoded or copied), so the
+    coordinator relays a rank what the direct route would have sent it. ``frames`` must
+    have passed :func:`entrain_data.protocol.decode` (the coordinator checks each payload
+    as it lands); returned as is when nothing in it is unread.
+    """
+    if not unread:
+        return frames
+    header = protocol.decode_header(frames[0])
+    specs = header["tensors"]
+    keep = [i for i, spec in enumerate(specs) if spec[0] not in unread]
+    if len(keep) == len(specs):
+        return frames
+    header["tensors"] = [specs[i] for i in keep]
+    return [msgpack.packb(header, use_bin_type=True), *(frames[1 + i] for i in keep)]
 
 
 _MAX_SOCKETS = 64

@@ -9,7 +9,9 @@ A rank is served by one of two routes, chosen at its ``hello``:
   reached. No payload byte passes through the coordinator.
 - **hop**: any other rank (another host, ``direct=False``). The worker returns the
   payload; the coordinator keeps it in ``ready`` while some rank's window holds it
-  and forwards it (zero-copy frames) as it always did.
+  and forwards it (zero-copy frames), less the frames of the encoder inputs the
+  rank's stage never reads (:func:`.delivery.without_unread`: the direct route's rule,
+  applied to the relayed message; the variant is built once per stage kind).
 
 Windows bound memory on both routes. A hop rank's window starts at the next
 position to send and reaches as far as its credits (at least ``window``); a
@@ -36,6 +38,8 @@ import numpy as np
 
 from entrain_data.errors import ProtocolError, WorkerDied
 from entrain_data.shared_batch import drop_shared_dir, make_shared_dir
+
+from .delivery import without_unread
 
 __all__ = [
     "RankState",
@@ -170,6 +174,8 @@ class Production:
     def __init__(self, window: int, end_pos: int) -> None:
         self.window, self.end_pos = window, end_pos
         self.ready: dict[Key, tuple[list[Any], int]] = {}  # payload frames, LLM samples
+        # relayed variants of ready payloads, less what a kind of stage never reads
+        self.variants: dict[tuple[Key, tuple[str, ...]], list[Any]] = {}
         self.queue: deque[Key] = deque()
         self.in_flight: dict[int, Flight] = {}
         self.wanted_flight: dict[Key, int] = {}  # key -> task bringing its payload back
@@ -216,6 +222,8 @@ class Production:
                 direct.update((r.replica, p) for p in self._direct_window(r) if self._needs(r, p))
         for key in [k for k in self.ready if k not in hop and k not in direct]:
             del self.ready[key]
+        for vkey in [v for v in self.variants if v[0] not in self.ready]:
+            del self.variants[vkey]
         need = {k for k in hop if k not in self.ready and k not in self.wanted_flight}
         need |= {k for k in direct if k not in self.ready}
         self.queue = deque(k for k in self.queue if k in need)
@@ -315,6 +323,8 @@ class Production:
             self.losses.pop(flight.key, None)
             if payload is not None:
                 self.ready[flight.key] = payload
+                for vkey in [v for v in self.variants if v[0] == flight.key]:
+                    del self.variants[vkey]  # built from the payload it replaces
         return flight
 
     def failed(self, tid: int, by_rank: dict[int, RankState]) -> Flight | None:
@@ -325,20 +335,32 @@ class Production:
         """Payloads held here that ``r`` may be sent now: (position, frames, samples), in order.
 
         A hop rank takes them strictly in order, one credit each; a direct rank takes
-        any in its window it has not got (a payload a remote worker brought back).
+        any in its window it has not got (a payload a remote worker brought back). Either
+        gets the frames without the tensors its stage never reads (``r.unread``).
         """
         out: list[tuple[int, list[Any], int]] = []
         if r.data is None:
             pos, credits = r.next_pos, r.credits
-            while credits > 0 and pos < self.end_pos and (r.replica, pos) in self.ready:
-                out.append((pos, *self.ready[(r.replica, pos)]))
+            while credits > 0 and pos < self.end_pos and (key := (r.replica, pos)) in self.ready:
+                out.append((pos, self._frames(key, r.unread), self.ready[key][1]))
                 pos, credits = pos + 1, credits - 1
             return out
         for pos in self._direct_window(r):
-            item = self.ready.get((r.replica, pos))
-            if item is not None and pos not in r.sent and pos not in r.flying:
-                out.append((pos, *item))
+            key = (r.replica, pos)
+            if key in self.ready and pos not in r.sent and pos not in r.flying:
+                out.append((pos, self._frames(key, r.unread), self.ready[key][1]))
         return out
+
+    def _frames(self, key: Key, unread: tuple[str, ...]) -> list[Any]:
+        """The ready payload of ``key`` as a rank that never reads ``unread`` is sent it: built
+        once for all such ranks (tensor-parallel peers, the replica's other LLM-only stages)."""
+        frames = self.ready[key][0]
+        if not unread:
+            return frames
+        variant = self.variants.get((key, unread))
+        if variant is None:
+            variant = self.variants[(key, unread)] = without_unread(frames, unread)
+        return variant
 
 
 def poison_error(key: Key, shape: Any, slot: Any, keys: list[str] | None) -> WorkerDied:
