@@ -12,6 +12,7 @@ from typing import Any
 __all__ = [
     "EntrainError",
     "InvalidInput",
+    "AddressInUse",
     "EntrainTimeout",
     "WorkerDied",
     "ProtocolError",
@@ -29,6 +30,16 @@ class EntrainError(Exception):
 
 class InvalidInput(EntrainError, ValueError):
     """Bad input: the message names the file, column, key or field at fault."""
+
+
+class AddressInUse(InvalidInput):
+    """An endpoint another process binds already; ``endpoint`` names it (``None`` once the
+    error crossed the wire: the message names it too). Typed so that a service which picked
+    the port itself can pick again without reading the message."""
+
+    def __init__(self, message: str, *, endpoint: str | None = None) -> None:
+        super().__init__(message)
+        self.endpoint = endpoint
 
 
 class PlanError(InvalidInput):
@@ -65,6 +76,7 @@ _WIRE_TYPES: dict[str, type[EntrainError]] = {
     for cls in (
         EntrainError,
         InvalidInput,
+        AddressInUse,
         PlanError,
         SampleError,
         EntrainTimeout,

@@ -35,6 +35,7 @@ from dataclasses import replace as dc_replace
 from typing import Any
 
 from entrain_data.errors import (
+    AddressInUse,
     EntrainError,
     EntrainTimeout,
     InvalidInput,
@@ -79,12 +80,10 @@ def _pick_endpoints(host: str, names: list[str], pick: PortPicker) -> dict[str, 
 
 
 def _taken(exc: BaseException, picked: dict[str, str]) -> str | None:
-    """The picked endpoint whose bind failed as taken (the words of ``open_sockets``), or None:
-    a port the caller named is never re-picked."""
-    if isinstance(exc, InvalidInput):
-        for ep in picked.values():
-            if str(exc) == f"cannot serve on {ep}: address already in use":
-                return ep
+    """The picked endpoint whose bind failed as taken (``open_sockets``'s ``AddressInUse``), or
+    None: a port the caller named is never re-picked."""
+    if isinstance(exc, AddressInUse) and exc.endpoint in picked.values():
+        return exc.endpoint
     return None
 
 
@@ -134,13 +133,13 @@ class _ServiceActor:
                 try:
                     self.coordinator.run(install_signals=False)  # signals: Ray's main thread's
                     return
-                except InvalidInput as exc:
+                except AddressInUse as exc:
                     ep = _taken(exc, self.picked)
                     if ep is None:
                         raise
                     taken.append(ep.rpartition(":")[2])
                     if len(taken) >= _PORT_TRIES:
-                        raise InvalidInput(
+                        raise AddressInUse(
                             f"cannot serve on {self.host}: ports {', '.join(taken)} were each "
                             f"taken by another process before the service bound them "
                             f"({_PORT_TRIES} tries): address already in use"

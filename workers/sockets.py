@@ -3,14 +3,14 @@
 ``front`` serves ranks, ``back`` local workers, ``remote`` (optional, tcp) workers on other
 hosts. What crosses hosts is CURVE-encrypted when the service has keys. A failed bind closes
 every socket made so far and names the endpoint, so a second service on a taken address
-stops with one line instead of a traceback.
+stops with one line instead of a traceback; a taken address is :class:`AddressInUse`.
 """
 
 from __future__ import annotations
 
 import zmq
 
-from entrain_data.errors import InvalidInput
+from entrain_data.errors import AddressInUse, InvalidInput
 from entrain_data.tcp import family_for
 
 from .config import ServiceConfig
@@ -43,8 +43,11 @@ def open_sockets(
             try:
                 s.bind(ep)
             except zmq.ZMQError as exc:
-                why = "address already in use" if exc.errno == zmq.EADDRINUSE else exc.strerror
-                raise InvalidInput(f"cannot serve on {ep}: {why}") from None
+                if exc.errno == zmq.EADDRINUSE:
+                    raise AddressInUse(
+                        f"cannot serve on {ep}: address already in use", endpoint=ep
+                    ) from None
+                raise InvalidInput(f"cannot serve on {ep}: {exc.strerror}") from None
     except BaseException:
         for s in socks:
             if s is not None:
