@@ -227,7 +227,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--metadata",
         default=None,
         metavar="FILE",
-        help="read each folder INPUT through this JSON/JSONL/CSV/Parquet file inside it, one "
+        help="read each folder or object-store prefix INPUT through this JSON/JSONL/CSV/Parquet "
+        "file inside it, one "
         "sample per record (default: metadata.jsonl, .csv or .parquet if present, else "
         "sidecar files)",
     )

@@ -2,8 +2,10 @@
 
 Public API (stable; the worker processes and the CLI call these):
 
-- ``expand_paths(patterns) -> list[str]``: brace patterns (``shard-{000..009}.tar``), globs,
-  object-storage prefixes (``s3://bucket/shards/``) and plain paths (:mod:`.path_patterns`).
+- ``expand_paths(patterns, *, metadata=None) -> list[str]``: brace patterns
+  (``shard-{000..009}.tar``), globs (files only), object-storage prefixes
+  (``s3://bucket/shards/``) and plain paths (:mod:`.path_patterns`); with ``metadata`` each
+  folder or prefix resolves to that metadata file.
 - ``open_source(path) -> Source``: a :class:`TarShard` (``.tar``, ``.tgz``/``.tar.gz``), a
   :class:`ParquetSource` (``.parquet``), chosen by suffix, or for a local folder a
   :class:`~.loose_files.DirectorySource` (loose files grouped by key as in a tar). Paths may be
