@@ -31,6 +31,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from multiprocessing import reduction
 from typing import Any
 
@@ -46,7 +47,9 @@ log = logging.getLogger(__name__)
 
 # what flock raises on a filesystem that has none (Lustre without -o flock, some NFS setups)
 _NO_FLOCK = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL})
-_NEW = ".new-"  # put before the prefix of a directory being made: not yet locked, never swept
+_NEW = ".new-"  # put before the prefix of a directory being made: not yet locked
+_NEW_STALE_S = 600.0  # a directory still being made after this long was left by a killed maker
+# (making one takes a millisecond; a sweep of younger ones could race a live maker)
 _OWNER = ".owner"
 _HELD: dict[str, int] = {}  # this process's directories -> the descriptor holding the lock
 
@@ -161,8 +164,9 @@ def drop_owned_dir(path: str) -> None:
 def remove_orphaned_dirs(root: str, prefix: str, pid: int | None = None) -> list[str]:
     """Remove the directories of ``prefix`` in ``root`` that no live process holds (only
     those ``pid`` made, when given); the removed paths. Folders without the lock file (a
-    user's, an older release's) are left alone."""
-    removed = []
+    user's, an older release's) are left alone. Without ``pid``, a directory a maker killed
+    mid-way left (``.new-{prefix}*``, not touched for :data:`_NEW_STALE_S`) goes too."""
+    removed = [] if pid is not None else _remove_stale_new(root, prefix)
     for path in glob.glob(os.path.join(glob.escape(root), f"{glob.escape(prefix)}*-*")):
         owner = os.path.basename(path)[len(prefix) :].split("-", 1)[0]
         if not owner.isdigit() or (pid is not None and int(owner) != pid):
@@ -180,6 +184,36 @@ def remove_orphaned_dirs(root: str, prefix: str, pid: int | None = None) -> list
             shutil.rmtree(path, ignore_errors=True)
         finally:
             os.close(fd)
+        if not os.path.exists(path):
+            removed.append(path)
+    return removed
+
+
+def _remove_stale_new(root: str, prefix: str) -> list[str]:
+    """The half-made directories of ``prefix`` (killed between ``mkdtemp`` and the rename that
+    names it, so no pid and maybe no lock file) old enough that no live maker has them,
+    unless one is held."""
+    removed = []
+    for path in glob.glob(os.path.join(glob.escape(root), f"{glob.escape(_NEW + prefix)}*")):
+        try:
+            if time.time() - os.stat(path).st_mtime < _NEW_STALE_S:
+                continue
+            fd = os.open(os.path.join(path, _OWNER), os.O_RDONLY)
+        except FileNotFoundError:  # killed before its lock file: removed if stale (checked)
+            fd = None
+        except OSError:
+            continue
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                continue
+        try:
+            shutil.rmtree(path, ignore_errors=True)
+        finally:
+            if fd is not None:
+                os.close(fd)
         if not os.path.exists(path):
             removed.append(path)
     return removed

@@ -6,12 +6,14 @@ scheduler's SIGKILL; the shared-memory folders already did not."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -132,3 +134,29 @@ def test_only_unheld_directories_of_the_prefix_with_a_lock_file_are_removed(tmp_
     assert users.is_dir() and os.path.isdir(mine)
     drop_owned_dir(mine)
     assert not os.path.exists(mine) and not hold_owned_dir(mine)
+
+
+def test_a_directory_half_made_by_a_killed_maker_goes_once_stale(tmp_path):
+    """A maker killed between making its directory and naming it (``.new-...``: no pid, maybe
+    no lock file) left it for good: no sweep looked at those names."""
+    young = tmp_path / ".new-entrain-ipc-young"
+    stale = tmp_path / ".new-entrain-ipc-stale"  # killed before its lock file
+    locked = tmp_path / ".new-entrain-ipc-stalex"  # killed after: the lock file, unheld
+    held = tmp_path / ".new-entrain-ipc-held"  # old, but a live process holds it
+    for d in (young, stale, locked, held):
+        d.mkdir()
+    (locked / ".owner").touch()
+    (held / ".owner").touch()
+    fd = os.open(held / ".owner", os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    old = time.time() - 3600
+    for d in (stale, locked, held):
+        os.utime(d, (old, old))
+    try:
+        assert remove_orphaned_dirs(str(tmp_path), "entrain-rank-") == []  # another prefix
+        assert remove_orphaned_dirs(str(tmp_path), "entrain-ipc-", pid=1) == []  # pid: named
+        gone = remove_orphaned_dirs(str(tmp_path), "entrain-ipc-")
+        assert sorted(gone) == sorted([str(stale), str(locked)])
+        assert young.is_dir() and held.is_dir()
+    finally:
+        os.close(fd)
