@@ -90,12 +90,14 @@ _WIRE_TYPES: dict[str, type[EntrainError]] = {
 def error_fields(exc: BaseException) -> dict[str, Any]:
     """The header fields that carry ``exc`` across the wire: type name, message, sample fields.
 
-    Only the names above cross; anything else travels as a plain ``EntrainError``
-    whose message starts with its type, so nothing is unpickled on the other side.
+    Only the names above cross: a subclass of one (a module's private ``InvalidInput``)
+    crosses as the nearest of them, so ``except InvalidInput`` still catches it on the other
+    side; anything else travels as a plain ``EntrainError`` whose message starts with its
+    type. Nothing is unpickled on the other side.
     """
-    name = type(exc).__name__
-    if name in _WIRE_TYPES and isinstance(exc, EntrainError):
-        message = str(exc)
+    wire = next((c for c in type(exc).__mro__ if _WIRE_TYPES.get(c.__name__) is c), None)
+    if wire is not None:
+        name, message = wire.__name__, str(exc)
     else:
         name, message = "EntrainError", f"{type(exc).__name__}: {exc}"
     return {

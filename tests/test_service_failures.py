@@ -68,6 +68,22 @@ def test_errors_cross_the_wire_typed_with_their_fields(exc):
     assert getattr(back, "key", None) == getattr(exc, "key", None)
 
 
+def test_a_private_subclass_crosses_as_the_nearest_wire_type():
+    """A module's own InvalidInput (path_patterns' missing-input error) arrived as a plain
+    EntrainError, so ``except InvalidInput`` on the rank's side missed it."""
+
+    class _Missing(InvalidInput):
+        pass
+
+    class _Skipped(SampleError):
+        pass
+
+    back = error_from_fields(error_fields(_Missing("shard x.tar not found")))
+    assert type(back) is InvalidInput and str(back) == "shard x.tar not found"
+    back = error_from_fields(error_fields(_Skipped("bad", source="s.tar", key="k")))
+    assert type(back) is SampleError and (back.source, back.key) == ("s.tar", "k")
+
+
 def test_foreign_exceptions_cross_as_entrain_error_named_by_type():
     back = error_from_fields(error_fields(KeyError("x")))
     assert type(back) is EntrainError and "KeyError" in str(back)
