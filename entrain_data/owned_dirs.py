@@ -60,6 +60,7 @@ def make_owned_dir(root: str, prefix: str) -> str:
     it is made unheld, without a lock file (see the module's docstring)."""
     remove_orphaned_dirs(root, prefix)
     tmp = tempfile.mkdtemp(prefix=f"{_NEW}{prefix}", dir=root)
+    fd: int | None = None
     try:
         fd, why = _lock_new(os.path.join(tmp, _OWNER))
         # renamed only once locked: a sweep never sees it unlocked while this process lives
@@ -67,6 +68,8 @@ def make_owned_dir(root: str, prefix: str) -> str:
         path = os.path.join(root, f"{prefix}{os.getpid()}-{tail}")
         os.rename(tmp, path)
     except BaseException:
+        if fd is not None:
+            os.close(fd)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if fd is None:
@@ -149,7 +152,9 @@ def hold_in_child(path: str) -> Any:
     """An argument for a ``multiprocessing`` process being started (spawn or forkserver) that
     makes it hold ``path``, which this process made or holds, from the moment it exists: so a
     sweep never finds the directory unheld while the child lives, even if this process is
-    killed before the child runs a line. The child receives ``path`` itself."""
+    killed before the child runs a line. The child receives ``path`` itself. (Under ``fork``
+    nothing is pickled: the child gets this object, and holds the lock through the descriptor
+    it inherited.)"""
     return _Handoff(path)
 
 

@@ -189,21 +189,36 @@ def test_local_and_remote_globs_yield_the_same_files(store, tmp_path):
         assert local == remote == want, pattern
 
 
-def test_a_folder_is_indexed_once_where_an_input_names_it(tmp_path):
-    """A glob matching folders does not index them (``loc/*`` once indexed ``loc/sub`` as one
-    folder of loose files, ``loc/**`` each of ``loc``, ``loc/sub``, ``loc/sub/img`` again); a
-    folder named twice is read once."""
+def test_a_folder_is_indexed_once_where_an_input_names_it(tmp_path, caplog):
+    """A glob matching files and folders indexes the files, and says so (``loc/**`` once
+    indexed ``loc``, ``loc/sub`` and ``loc/sub/img`` again); a glob matching only folders
+    stands for them (``parts/part-*``, with or without ``--metadata``); a folder named twice is
+    read once."""
+    import json
+
     from entrain_data.workers.index_builder import build_index
     from PIL import Image
 
-    img = tmp_path / "loc" / "sub" / "img"
-    img.mkdir(parents=True)
-    Image.new("RGB", (8, 6)).save(img / "0.png")
-    (img / "0.txt").write_text("a caption")
-    with pytest.raises(InvalidInput, match=r"loc/\* matches only folders \(.*/loc/sub;"):
-        build_index(str(tmp_path / "loc" / "*"), progress=False)
-    table = build_index([str(img), f"{img}/"], progress=False)
-    assert list(table.keys) == ["0"] and list(table.sources) == [str(img)]
+    parts = []
+    for i in range(2):
+        part = tmp_path / "parts" / f"part-{i}"
+        part.mkdir(parents=True)
+        Image.new("RGB", (8, 6 + i)).save(part / f"{i}.png")
+        (part / f"{i}.txt").write_text("a caption")
+        rec = {"file_name": f"{i}.png", "caption": "a caption"}
+        (part / "captions.jsonl").write_text(json.dumps(rec) + "\n")
+        parts.append(str(part))
+    table = build_index(str(tmp_path / "parts" / "part-*"), progress=False)
+    assert sorted(set(table.sources)) == parts and len(table.keys) == 2
+    table = build_index(str(tmp_path / "parts" / "*"), progress=False, metadata="captions.jsonl")
+    assert sorted(set(table.sources)) == [f"{p}/captions.jsonl" for p in parts]
+    (tmp_path / "parts" / "notes.tar").write_bytes(b"")
+    with caplog.at_level("WARNING"):
+        found = _expand(str(tmp_path / "parts" / "*"))
+    assert found == [str(tmp_path / "parts" / "notes.tar")]
+    assert "not the folders" in caplog.text and "part-0" in caplog.text
+    table = build_index([parts[0], f"{parts[0]}/", f"{parts[0]}/../part-0"], progress=False)
+    assert list(table.keys) == ["0"] and list(table.sources) == [parts[0]]
 
 
 def test_every_input_naming_nothing_is_in_one_error_in_input_order(store, tmp_path):

@@ -2,11 +2,12 @@
 
 ``expand_paths`` gives remote inputs the behaviour local ones have: a brace pattern expands in
 place (``shard-{000..099}.tar``); a glob (``*``, ``?``, ``[...]``, ``**``) expands to the *files*
-it matches, sorted, local and remote alike: never a folder, since object storage has none and a
-folder matched beside the files under it (``data/**`` matches ``data``, ``data/sub`` and
-``data/sub/0.tar``) would be indexed again through each. A folder or prefix is one source only
-where an input names it, local folder and object-storage prefix (``s3://bucket/ds/``, or a key
-that is only a prefix) alike: read through the metadata file ``metadata`` names inside it (the
+it matches, sorted, local and remote alike: not the folders it matches beside them, since object
+storage has none and a folder matched beside the files under it (``data/**`` matches ``data``,
+``data/sub`` and ``data/sub/0.tar``) would be indexed again through each (a warning names the
+folders left out). A local glob that matches only folders (``data/part-*``) stands for those
+folders, each as if named. A folder or prefix is one source where an input names it, local
+folder and object-storage prefix (``s3://bucket/ds/``, or a key that is only a prefix) alike: read through the metadata file ``metadata`` names inside it (the
 CLI's ``--metadata``: one HEAD, no listing), else through its top-level ``metadata.jsonl`` /
 ``.csv`` / ``.parquet``, else as its loose files (a local folder) or the shards and tables under
 it (a prefix). A path named twice is one input, at its first place.
@@ -130,7 +131,8 @@ def _shown(url: str, p: str) -> bool:
 
 def _matches(p: str, pat: str, metadata: str | None) -> list[str]:
     """A glob's file matches, sorted; hidden names only where the pattern spells the dot, as a
-    shell. A path that exists as written (a name with ``[`` in it) is itself when nothing
+    shell. A local glob matching only folders stands for them, each as :func:`_folder` reads
+    it. A path that exists as written (a name with ``[`` in it) is itself when nothing
     matches."""
     if storage.is_remote(p):
         found = [u for u in storage.glob_objects(p) if _shown(u, p)]
@@ -138,10 +140,15 @@ def _matches(p: str, pat: str, metadata: str | None) -> list[str]:
         hits = sorted(glob.glob(p, recursive=True))
         found = [m for m in hits if os.path.isfile(m)]
         folders = [m.rstrip("/") or "/" for m in hits if os.path.isdir(m)]
-        if folders and not found:
-            raise _Missing(
-                f"{p} matches only folders ({_some(folders)}; from pattern {pat!r}): a glob "
-                "yields files; name a folder itself to index it as one source"
+        if folders and not found:  # data/part-*: the folders, as if each were named
+            return [f for d in folders for f in _folder(d, pat, metadata)]
+        if folders and not metadata:
+            log.warning(
+                "%s matches files and folders: indexing its %d files, not the folders (%s) "
+                "they may be under; name a folder to index it as one source",
+                p,
+                len(found),
+                _some(folders),
             )
     if found and metadata:
         raise _not_a_folder(f"{p} is a glob, which yields files", pat, metadata)
@@ -278,7 +285,11 @@ def expand_paths(
     if missing:
         raise _missing_error([missing[s] for s in sorted(missing)])
     every = [p for got in slots for p in got]
-    out = list(dict.fromkeys(every))  # one input once: its samples would repeat in the index
+    # one input once (its samples would repeat in the index), however spelled: a/x.tar, ./a/x.tar
+    first: dict[str, str] = {}
+    for p in every:
+        first.setdefault(p if storage.is_remote(p) else os.path.normpath(p), p)
+    out = list(first.values())
     if len(out) < len(every):
         log.info("%d input(s) named more than once: each read once", len(every) - len(out))
     return out
