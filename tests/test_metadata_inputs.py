@@ -196,3 +196,29 @@ def test_imagefolder_metadata_parquet(tmp_path):
     assert [int(n) for n in t.text_tokens] == [5, 7]
     served = MetadataSource(tmp_path / "metadata.parquet", t.column_map, lazy=True)
     assert served.read(str(t.members[1]), ["txt"]) == {"txt": b"again"}
+
+
+def test_a_parquet_metadata_file_named_otherwise_is_indexed_and_served_as_one(tmp_path):
+    """``--metadata records.parquet`` was indexed as a Parquet table (only a file named
+    ``metadata.parquet`` counted as metadata): no image, the caption column unknown."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from entrain_data.workers.packing import make_packer
+
+    from entrain_data.metadata import write_index
+
+    _folder(tmp_path, [])
+    (tmp_path / "metadata.jsonl").unlink()
+    rows = [{"file_name": "a.png", "caption": "red"}, {"file_name": "a.png", "caption": "again"}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "records.parquet")
+    t = build_index(str(tmp_path), metadata="records.parquet", progress=False)
+    assert list(t.keys) == ["records.parquet:1", "records.parquet:2"]
+    assert [len(t.record(i).images) for i in range(2)] == [1, 1]
+    write_index(t, tmp_path / "index.parquet")
+    packer = make_packer(str(tmp_path / "index.parquet"))
+    try:
+        packed = packer([0, 1], [0, 1])
+    finally:
+        packer.close()
+    assert packed.encoder_keys == ["records.parquet:1", "records.parquet:2"]
+    assert packed.tensors["pixel_values"].shape[0] > 0

@@ -356,7 +356,8 @@ def build_index(
     files: Sequence[str] = expand_paths(paths, metadata=metadata)  # folders: their metadata file
     if not files:
         raise InvalidInput("build_index: no shards or tables given")
-    metas = [f for f in files if is_metadata_file(f)]
+    # with --metadata every input resolved to the file it names, whatever it is called
+    metas = list(files) if metadata else [f for f in files if is_metadata_file(f)]
     if metas and any(f.endswith(PARQUET_SUFFIXES) and f not in metas for f in files):
         raise InvalidInput(
             "index Parquet tables and metadata files separately (each index stores one mapping)"

@@ -45,7 +45,7 @@ from entrain_data.metadata import SampleTable, read_index
 from entrain_data.presets import ModelSpec, ModuleConfig, load_module
 
 from . import decode
-from .sources import SourceCache, open_source, row_members
+from .sources import SourceCache, open_source, parquet_metadata_files, row_members
 from .tokenizer import TextTokenizer, as_tokenizer, sample_text_ids
 from .transforms import SAMPLE_RATE, AudioTransform, VisionTransform, resize_rgb
 
@@ -240,7 +240,11 @@ class SamplePacker:
         _check_servable(table, self.parquet_columns)
         self.sources = SourceCache(  # metadata files read their records by the index's mapping
             max_open,
-            opener=partial(open_source, metadata_columns=table.column_map or None),
+            opener=partial(
+                open_source,
+                metadata_columns=table.column_map or None,
+                metadata_files=parquet_metadata_files(table.sources, table.members),
+            ),
             identities=table.source_identity,  # a file changed since indexing is refused
         )
 

@@ -34,9 +34,11 @@ import tarfile
 import threading
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+import numpy as np
 
 from entrain_data.errors import InvalidInput, SampleError
 
@@ -55,6 +57,7 @@ __all__ = [
     "expand_braces",
     "expand_paths",
     "open_source",
+    "parquet_metadata_files",
     "split_member_name",
     "row_members",
     "TAR_SUFFIXES",
@@ -354,13 +357,22 @@ class TorchDatasetSource:
         pass
 
 
+def parquet_metadata_files(sources: np.ndarray, members: np.ndarray) -> frozenset[str]:
+    """The Parquet files of an index that are metadata files (their rows name a record; a
+    table's rows name none): ``--metadata records.parquet`` is no ``metadata.parquet``."""
+    rows = np.flatnonzero(members.astype(bool))
+    return frozenset(s for s in set(sources[rows].tolist()) if str(s).endswith(PARQUET_SUFFIXES))
+
+
 def open_source(path: str | os.PathLike, **options: Any) -> Source:
     """Open a shard or table by suffix; raises InvalidInput for an unknown kind."""
     p = os.fspath(path)
     meta_columns = options.pop("metadata_columns", None)  # the index's mapping (metadata files)
+    # metadata files named otherwise (``--metadata records.parquet``), as the index knows them
+    named: Collection[str] = options.pop("metadata_files", ())
     from .metadata_source import MetadataSource, is_metadata_file
 
-    if is_metadata_file(p):
+    if is_metadata_file(p) or p in named:
         return MetadataSource(p, meta_columns, lazy=True)
     if storage.is_dir(p):
         from .loose_files import DirectorySource
