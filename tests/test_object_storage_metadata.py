@@ -90,3 +90,17 @@ def test_missing_metadata_file_or_a_file_input_is_named(dataset, tmp_path, capsy
     assert rc == 2 and "s3://data/ds/captions.jsonl is a file" in err, err
     _, rc, err = _index(tmp_path, capsys, "s3://data/ds/*.jsonl")
     assert rc == 2 and "s3://data/ds/*.jsonl is a glob, which yields files" in err, err
+
+
+def test_a_glob_matching_only_prefixes_stands_for_them(dataset, tmp_path, capsys):
+    """``s3://bucket/parts/part-*`` over prefixes said "nothing matches" (a glob yielded
+    objects only), where the same local glob over folders indexes each folder."""
+    fs = s3fs.S3FileSystem()
+    for i in range(2):
+        fs.put(str(dataset), f"data/parts/part-{i}", recursive=True)
+    table, rc, err = _index(tmp_path, capsys, "s3://data/parts/part-*")
+    assert rc == 0, err
+    assert sorted(set(table.sources)) == [
+        f"s3://data/parts/part-{i}/captions.jsonl" for i in (0, 1)
+    ]
+    assert len(table) == 2 * len(SIZES)

@@ -5,8 +5,8 @@ place (``shard-{000..099}.tar``); a glob (``*``, ``?``, ``[...]``, ``**``) expan
 it matches, sorted, local and remote alike: not the folders it matches beside them, since object
 storage has none and a folder matched beside the files under it (``data/**`` matches ``data``,
 ``data/sub`` and ``data/sub/0.tar``) would be indexed again through each (a warning names the
-folders left out). A local glob that matches only folders (``data/part-*``) stands for those
-folders, each as if named. A folder or prefix is one source where an input names it, local
+folders left out). A glob that matches only folders or prefixes (``data/part-*``) stands for
+them, each as if named. A folder or prefix is one source where an input names it, local
 folder and object-storage prefix (``s3://bucket/ds/``, or a key that is only a prefix) alike: read through the metadata file ``metadata`` names inside it (the
 CLI's ``--metadata``: one HEAD, no listing), else through its top-level ``metadata.jsonl`` /
 ``.csv`` / ``.parquet``, else as its loose files (a local folder) or the shards and tables under
@@ -131,25 +131,27 @@ def _shown(url: str, p: str) -> bool:
 
 def _matches(p: str, pat: str, metadata: str | None) -> list[str]:
     """A glob's file matches, sorted; hidden names only where the pattern spells the dot, as a
-    shell. A local glob matching only folders stands for them, each as :func:`_folder` reads
-    it. A path that exists as written (a name with ``[`` in it) is itself when nothing
+    shell. A glob matching only folders (prefixes) stands for them, each as :func:`_folder`
+    reads it. A path that exists as written (a name with ``[`` in it) is itself when nothing
     matches."""
     if storage.is_remote(p):
         found = [u for u in storage.glob_objects(p) if _shown(u, p)]
+        # the prefixes only where no object matched: a listing more, not one per glob
+        folders = [] if found else [u for u in storage.glob_objects(p, "directory") if _shown(u, p)]
     else:
         hits = sorted(glob.glob(p, recursive=True))
         found = [m for m in hits if os.path.isfile(m)]
         folders = [m.rstrip("/") or "/" for m in hits if os.path.isdir(m)]
-        if folders and not found:  # data/part-*: the folders, as if each were named
-            return [f for d in folders for f in _folder(d, pat, metadata)]
-        if folders and not metadata:
-            log.warning(
-                "%s matches files and folders: indexing its %d files, not the folders (%s) "
-                "they may be under; name a folder to index it as one source",
-                p,
-                len(found),
-                _some(folders),
-            )
+    if folders and not found:  # data/part-*: the folders, as if each were named
+        return [f for d in folders for f in _folder(d, pat, metadata)]
+    if folders and not metadata:
+        log.warning(
+            "%s matches files and folders: indexing its %d files, not the folders (%s) "
+            "they may be under; name a folder to index it as one source",
+            p,
+            len(found),
+            _some(folders),
+        )
     if found and metadata:
         raise _not_a_folder(f"{p} is a glob, which yields files", pat, metadata)
     if found:

@@ -258,9 +258,10 @@ def is_listable(path: str) -> bool:
     return is_remote(path) and path.split("://", 1)[0].lower() not in ("http", "https")
 
 
-def _listing(path: str, fn: Callable[[Any, str], dict[str, dict]]) -> list[str]:
-    """The files of one listing call as URLs in ``path``'s scheme, sorted; a missing bucket lists
-    nothing, a refused or unreachable one raises InvalidInput naming ``path``."""
+def _listing(path: str, fn: Callable[[Any, str], dict[str, dict]], kind: str = "file") -> list[str]:
+    """The files (``kind="directory"``: the prefixes) of one listing call as URLs in ``path``'s
+    scheme, sorted; a missing bucket lists nothing, a refused or unreachable one raises
+    InvalidInput naming ``path``."""
     scheme = path.split("://", 1)[0]
     fs, p = filesystem(path)
     fs.invalidate_cache()  # whole: a glob reads the cached listings of every folder it walks
@@ -272,7 +273,7 @@ def _listing(path: str, fn: Callable[[Any, str], dict[str, dict]]) -> list[str]:
         if isinstance(exc.__cause__, ValueError):  # fsspec's word on a malformed glob
             raise InvalidInput(f"{path}: not a valid pattern ({exc.__cause__})") from exc
         raise _unusable(path, exc) from exc
-    names = (info.get("name", name) for name, info in found.items() if info.get("type") == "file")
+    names = (info.get("name", name) for name, info in found.items() if info.get("type") == kind)
     return sorted(f"{scheme}://{n.lstrip('/')}" for n in names)
 
 
@@ -281,9 +282,10 @@ def list_objects(prefix: str) -> list[str]:
     return _listing(prefix, lambda fs, p: fs.find(p.rstrip("/") + "/", withdirs=False, detail=True))
 
 
-def glob_objects(pattern: str) -> list[str]:
-    """The objects matching a ``*``/``?``/``[...]``/``**`` pattern, from listings only."""
-    return _listing(pattern, lambda fs, p: fs.glob(p, detail=True))
+def glob_objects(pattern: str, kind: str = "file") -> list[str]:
+    """The objects (``kind="directory"``: the prefixes) matching a ``*``/``?``/``[...]``/``**``
+    pattern, from listings only."""
+    return _listing(pattern, lambda fs, p: fs.glob(p, detail=True), kind)
 
 
 def _guard(f: Any, fs: Any, path: str) -> Any:
