@@ -203,14 +203,19 @@ _TASK = {"task": 1, "epoch": 0, "iteration": 0, "microbatch": 0, "replica": 0,
          "encoder_rows": [0], "llm_rows": [0]}  # fmt: skip
 
 
-def test_a_worker_busy_from_its_first_task_still_stops_when_its_service_dies():
+@pytest.mark.parametrize("answers", [True, False])
+def test_a_worker_busy_from_its_first_task_still_stops_when_its_service_dies(answers, monkeypatch):
     """A worker learned the silence rule only from an answer to a heartbeat sent while idle;
-    one given work the moment it joined, whose service then died, waited forever."""
+    one given work the moment it joined, whose service then died, waited forever. With no
+    answer at all (the service died before it answered the heartbeat sent at ready), a task
+    received is word enough: the default rule applies."""
+    from entrain_data.workers import worker as worker_module
     from entrain_data.workers.worker import run_remote_worker
 
     from entrain_data import protocol
     from entrain_data.errors import WorkerDied
 
+    monkeypatch.setattr(worker_module, "SILENCE_S", 1.0)  # the default, short for the test
     ctx = zmq.Context()
     svc = ctx.socket(zmq.ROUTER)
     svc.setsockopt(zmq.LINGER, 0)
@@ -224,7 +229,8 @@ def test_a_worker_busy_from_its_first_task_still_stops_when_its_service_dies():
             if kind == "ready":
                 svc.send_multipart([ident, *protocol.encode("task", _TASK)])
             elif kind == "heartbeat":
-                svc.send_multipart([ident, *protocol.encode("heartbeat", {"silence": 1.0})])
+                if answers:
+                    svc.send_multipart([ident, *protocol.encode("heartbeat", {"silence": 1.0})])
             else:
                 return  # the task's reply: gone without a word
 

@@ -196,6 +196,8 @@ def _serve_tasks(
             log.warning("%s: coordinator gone, exiting", label)
             return
         heard = time.monotonic()  # a long task is no silence: the clock runs while idle
+        if silence is None:  # a service that sent work is up: its rule, or the default
+            silence = SILENCE_S
 
 
 def _positive(value: Any, default: float) -> float:
