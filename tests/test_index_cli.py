@@ -87,6 +87,25 @@ def test_quiet_folder_index_prints_nothing(tmp_path):
     assert "passed over 1 file group(s)" in p.stderr and "wrote " in p.stdout
 
 
+def test_quiet_in_process_leaves_the_callers_logging_as_it_was(tmp_path, capsys):
+    """``main(["index", ..., "-q"])`` set the package's logger to ERROR for good: a notebook (or
+    a test) calling it lost every later warning."""
+    import logging
+
+    from PIL import Image
+
+    from entrain_data.cli import main
+
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    Image.new("RGB", (8, 8)).save(folder / "a.png")
+    (folder / "a.txt").write_text("a black square")
+    pkg = logging.getLogger("entrain_data")
+    before = pkg.level
+    assert main(["index", str(folder), "-o", str(tmp_path / "index.parquet"), "-q"]) == 0
+    assert pkg.level == before
+
+
 def test_an_index_where_every_sample_was_skipped_is_refused(tmp_path):
     """It was written with 0 samples and exit 0, to fail later at plan or serve."""
     shard = write_shard(tmp_path / "bad.tar", {f"b{i}": BAD["notext"] for i in range(3)})

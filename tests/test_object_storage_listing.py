@@ -213,7 +213,7 @@ def test_a_folder_is_indexed_once_where_an_input_names_it(tmp_path, caplog):
     table = build_index(str(tmp_path / "parts" / "*"), progress=False, metadata="captions.jsonl")
     assert sorted(set(table.sources)) == [f"{p}/captions.jsonl" for p in parts]
     (tmp_path / "parts" / "notes.tar").write_bytes(b"")
-    with caplog.at_level("WARNING", logger="entrain_data"):  # as `index -q` left it, or not
+    with caplog.at_level("WARNING"):
         found = _expand(str(tmp_path / "parts" / "*"))
     assert found == [str(tmp_path / "parts" / "notes.tar")]
     assert "not the folders" in caplog.text and "part-0" in caplog.text

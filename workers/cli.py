@@ -52,19 +52,24 @@ def cmd_index(args: argparse.Namespace) -> int:
             if not sep:
                 raise InvalidInput(f"--column must be FIELD=COLUMN, got {item!r}")
             columns[field] = column
+    pkg = logging.getLogger("entrain_data")
+    level = pkg.level
     if args.quiet:  # per-folder notes too; errors still reach the terminal
-        logging.getLogger("entrain_data").setLevel(logging.ERROR)
+        pkg.setLevel(logging.ERROR)
     skipped: list[dict[str, str]] = []
-    table = build_index(
-        args.inputs,
-        tokenizer=args.tokenizer,
-        progress=not args.quiet,
-        on_error=args.on_error,
-        parquet_columns=columns,
-        skipped=skipped,
-        metadata=args.metadata,
-        captions=args.captions,
-    )
+    try:
+        table = build_index(
+            args.inputs,
+            tokenizer=args.tokenizer,
+            progress=not args.quiet,
+            on_error=args.on_error,
+            parquet_columns=columns,
+            skipped=skipped,
+            metadata=args.metadata,
+            captions=args.captions,
+        )
+    finally:  # main() called in a process that goes on (a notebook, a test) keeps its logging
+        pkg.setLevel(level)
     if len(table) == 0:  # every sample skipped: an empty index would only fail later
         where = Path(args.skipped or f"{args.output}.skipped.jsonl")
         where.write_text("".join(json.dumps(s) + "\n" for s in skipped))
