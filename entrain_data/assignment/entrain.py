@@ -54,7 +54,8 @@ mean microbatch stalls 1F1B and runs longer than its sums say. After level 2 suc
 gives some of its other samples to the replicas with room (proxy time below the mean), its
 sets are rebuilt and the receivers put each sample in their lightest set; kept only where
 the slowest replica gets faster and every module's batch-wide CV stays within its limit
-(:mod:`.stall_shed`). Sample counts per replica may then differ.
+(:mod:`.stall_shed`); then again, up to :data:`_SHED_PASSES` rounds, while a round moved work
+(the next slowest replica may stall too). Sample counts per replica may then differ.
 
 The levels live in modules of their own: :mod:`.replica_split` (level 1),
 :mod:`.encoder_sets` (E_j), :mod:`.llm_sets` (L_j) and :mod:`.pipeline_search`;
@@ -118,6 +119,8 @@ from .replica_split import fit_caps, norm_columns, split_replicas
 from .shaping import coshaped_candidate, shaped_candidates
 from .stall_shed import shed_stalls
 
+_SHED_PASSES = 3  # rounds of shed_stalls at most; each runs only where the last one moved work:
+# real:common-voice-ps at 8192 / dp 128 0.8% faster (the rest of the bench unchanged)
 # (ef, lf, lb) [R, n, S] of pipeline_search.stage_costs
 StageCosts = tuple[np.ndarray, np.ndarray, np.ndarray]
 
@@ -245,9 +248,14 @@ def _assign(x: Inputs, seed: int, iteration: int, tolerance: float):
         sub, st = rp2.take(rows), stage_rows(stage2, rows)
         return _level2(sub, tolerance, st, rng_for(seed, iteration, 3))
 
-    rp, eidx, lidx, stage = shed_stalls(
-        x, rp, eidx, lidx, stage, lambda members: replicas_of(x, members), level2
-    )
+    def replicas(members: np.ndarray) -> Replicas:
+        return replicas_of(x, members)
+
+    for _ in range(_SHED_PASSES):  # again while it pays: the next slowest may stall too
+        rp2, e2, l2, st2 = shed_stalls(x, rp, eidx, lidx, stage, replicas, level2)
+        if rp2 is rp:
+            break
+        rp, eidx, lidx, stage = rp2, e2, l2, st2
     a = _to_assignment("entrain", rp.members, rp.valid, eidx, lidx, x.dp, rp.m)
     return a, rp, eidx, lidx
 
