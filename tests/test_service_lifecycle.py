@@ -22,7 +22,7 @@ from test_service import (  # noqa: F401  (dataset: a fixture)
 )
 
 from entrain_data.client import EntrainLoader
-from entrain_data.errors import InvalidInput
+from entrain_data.errors import AddressInUse, InvalidInput
 from entrain_data.metadata import read_index
 
 pytestmark = pytest.mark.timeout(120)
@@ -63,8 +63,9 @@ def test_an_endpoint_a_live_service_listens_on_is_refused(tmp_path, dataset):  #
     svc = start(tmp_path, dataset, make_plan(), endpoint=ep)
     try:
         _take_exactly(svc, [0], 1)  # it listens
-        with pytest.raises(InvalidInput, match="is in use"):
+        with pytest.raises(AddressInUse, match="is in use") as err:  # typed, as a tcp port's
             start(tmp_path, dataset, make_plan(), endpoint=ep).close()
+        assert err.value.endpoint == ep
     finally:
         svc.close()
     start(tmp_path, dataset, make_plan(), endpoint=ep).close()  # free again once it stopped

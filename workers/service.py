@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from entrain_data.errors import (
+    AddressInUse,
     EntrainError,
     EntrainTimeout,
     InvalidInput,
@@ -197,9 +198,9 @@ def make_config(
     if not own:  # a folder that exists may hold a live service's sockets
         eps += [f"ipc://{socket_dir}/service.sock", f"ipc://{socket_dir}/workers.sock"]
     for ep in eps:
-        taken = _ipc_taken(ep[6:]) if ep.startswith("ipc://") else None
-        if taken:
-            raise InvalidInput(f"endpoint {ep}: {taken}")
+        taken = _ipc_taken(ep) if ep.startswith("ipc://") else None
+        if taken is not None:
+            raise taken
     socket_dir = socket_dir or _socket_dir()
     os.makedirs(socket_dir, exist_ok=True)
     endpoint = endpoint or f"ipc://{socket_dir}/service.sock"
@@ -248,21 +249,23 @@ def _socket_dir() -> str:
     return d
 
 
-def _ipc_taken(path: str) -> str | None:
-    """Why the ipc socket file ``path`` cannot be bound, or None: another process listens on
-    it (binding over it would take the path from that service, whose stop would then unlink
-    ours), or it is a file of the user's (a bind would replace it)."""
+def _ipc_taken(ep: str) -> InvalidInput | None:
+    """Why the ipc endpoint ``ep``'s socket file cannot be bound, or None: another process
+    listens on it (:class:`AddressInUse`: binding over it would take the path from that
+    service, whose stop would then unlink ours), or it is a file of the user's (a bind would
+    replace it)."""
+    path = ep[len("ipc://") :]
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
         return None
     if not stat.S_ISSOCK(mode):
-        return "the path exists and is not a socket"
+        return InvalidInput(f"endpoint {ep}: the path exists and is not a socket")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.settimeout(1.0)
         probe.connect(path)
-        return "is in use: another service listens there"
+        return AddressInUse(f"endpoint {ep}: is in use: another service listens there", endpoint=ep)
     except OSError:  # refused: a stale file of a service that is gone
         return None
     finally:
