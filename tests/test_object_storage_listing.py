@@ -212,12 +212,19 @@ def test_a_folder_is_indexed_once_where_an_input_names_it(tmp_path, caplog):
     assert sorted(set(table.sources)) == parts and len(table.keys) == 2
     table = build_index(str(tmp_path / "parts" / "*"), progress=False, metadata="captions.jsonl")
     assert sorted(set(table.sources)) == [f"{p}/captions.jsonl" for p in parts]
+    # nested matches: the outermost folder only (it is read with what is under it)
+    table = build_index(f"{tmp_path}/parts/**/", progress=False)  # parts, part-0, part-1
+    assert list(table.sources) == [str(tmp_path / "parts")] * 2 and len(table.keys) == 2
+    (tmp_path / "parts" / "README.md").write_text("two parts")  # beside the folders: not a shard
+    table = build_index(str(tmp_path / "parts" / "*"), progress=False)
+    assert sorted(set(table.sources)) == parts
     (tmp_path / "parts" / "notes.tar").write_bytes(b"")
     with caplog.at_level("WARNING"):
         found = _expand(str(tmp_path / "parts" / "*"))
-    assert found == [str(tmp_path / "parts" / "notes.tar")]
+    assert found == [str(tmp_path / "parts" / n) for n in ("README.md", "notes.tar")]
     assert "not the folders" in caplog.text and "part-0" in caplog.text
-    table = build_index([parts[0], f"{parts[0]}/", f"{parts[0]}/../part-0"], progress=False)
+    spelled = [parts[0], f"{parts[0]}/", f"{parts[0]}/../part-0", os.path.relpath(parts[0])]
+    table = build_index(spelled, progress=False)
     assert list(table.keys) == ["0"] and list(table.sources) == [parts[0]]
 
 

@@ -98,6 +98,7 @@ def test_a_glob_matching_only_prefixes_stands_for_them(dataset, tmp_path, capsys
     fs = s3fs.S3FileSystem()
     for i in range(2):
         fs.put(str(dataset), f"data/parts/part-{i}", recursive=True)
+    fs.pipe_file("data/parts/README.md", b"two parts")  # beside the prefixes: not a shard
     table, rc, err = _index(tmp_path, capsys, "s3://data/parts/part-*")
     assert rc == 0, err
     assert sorted(set(table.sources)) == [

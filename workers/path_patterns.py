@@ -2,15 +2,18 @@
 
 ``expand_paths`` gives remote inputs the behaviour local ones have: a brace pattern expands in
 place (``shard-{000..099}.tar``); a glob (``*``, ``?``, ``[...]``, ``**``) expands to the *files*
-it matches, sorted, local and remote alike: not the folders it matches beside them, since object
-storage has none and a folder matched beside the files under it (``data/**`` matches ``data``,
-``data/sub`` and ``data/sub/0.tar``) would be indexed again through each (a warning names the
-folders left out). A glob that matches only folders or prefixes (``data/part-*``) stands for
-them, each as if named. A folder or prefix is one source where an input names it, local
-folder and object-storage prefix (``s3://bucket/ds/``, or a key that is only a prefix) alike: read through the metadata file ``metadata`` names inside it (the
-CLI's ``--metadata``: one HEAD, no listing), else through its top-level ``metadata.jsonl`` /
-``.csv`` / ``.parquet``, else as its loose files (a local folder) or the shards and tables under
-it (a prefix). A path named twice is one input, at its first place.
+it matches, sorted, local and remote alike; where it matches folders (prefixes) too, its files
+are read, not the folders (``data/**`` matches ``data``, ``data/sub`` and ``data/sub/0.tar``:
+each folder would index ``0.tar`` again), with a warning naming them, unless none of its files
+is a shard, a table or a metadata file (a README beside the folders): the folders are read
+then. A glob that matches only folders or prefixes (``data/part-*``)
+stands for them, each as if named, the outermost only (a folder is read with what is under
+it). A folder or prefix is one source where an input names it, local folder and object-storage
+prefix (``s3://bucket/ds/``, or a key that is only a prefix) alike: read through the metadata
+file ``metadata`` names inside it (the CLI's ``--metadata``: one HEAD, no listing), else
+through its top-level ``metadata.jsonl`` / ``.csv`` / ``.parquet``, else as its loose files (a
+local folder) or the shards and tables under it (a prefix). A path named twice (however
+spelled: relative, absolute, through ``./``) is one input, at its first place.
 
 Object storage charges a round trip per request: what a listing returned is not asked about
 again, and explicit remote paths are checked with :data:`CHECK_THREADS` HEADs in flight, not one
@@ -136,22 +139,27 @@ def _matches(p: str, pat: str, metadata: str | None) -> list[str]:
     matches."""
     if storage.is_remote(p):
         found = [u for u in storage.glob_objects(p) if _shown(u, p)]
-        # the prefixes only where no object matched: a listing more, not one per glob
-        folders = [] if found else [u for u in storage.glob_objects(p, "directory") if _shown(u, p)]
+        # the prefixes only where no shard, table or metadata file matched: a listing more
+        prefixes = [] if any(map(_a_source, found)) else storage.glob_objects(p, "directory")
+        folders = [u for u in prefixes if _shown(u, p)]
     else:
         hits = sorted(glob.glob(p, recursive=True))
         found = [m for m in hits if os.path.isfile(m)]
         folders = [m.rstrip("/") or "/" for m in hits if os.path.isdir(m)]
+    if folders and found:  # a shard beside folders wins; a README beside them does not
+        if not any(map(_a_source, found)):
+            log.warning("%s: indexing its folders, passing over the files %s", p, _some(found))
+            found = []
+        elif not metadata:
+            log.warning(
+                "%s matches files and folders: indexing its %d files, not the folders (%s); "
+                "name a folder to index it as one source",
+                p,
+                len(found),
+                _some(folders),
+            )
     if folders and not found:  # data/part-*: the folders, as if each were named
-        return [f for d in folders for f in _folder(d, pat, metadata)]
-    if folders and not metadata:
-        log.warning(
-            "%s matches files and folders: indexing its %d files, not the folders (%s) "
-            "they may be under; name a folder to index it as one source",
-            p,
-            len(found),
-            _some(folders),
-        )
+        return [f for d in _outermost(folders) for f in _folder(d, pat, metadata)]
     if found and metadata:
         raise _not_a_folder(f"{p} is a glob, which yields files", pat, metadata)
     if found:
@@ -160,6 +168,26 @@ def _matches(p: str, pat: str, metadata: str | None) -> list[str]:
     if kind is None:
         raise _Missing(f"nothing matches {p} (from pattern {pat!r})")
     return _resolved(p, pat, kind, metadata)
+
+
+def _a_source(path: str) -> bool:
+    """Whether a file is a shard, a table or a metadata file by its name."""
+    from .metadata_source import is_metadata_file
+    from .sources import GZIP_TAR_SUFFIXES, PARQUET_SUFFIXES, TAR_SUFFIXES
+
+    return path.endswith(TAR_SUFFIXES + GZIP_TAR_SUFFIXES + PARQUET_SUFFIXES) or is_metadata_file(
+        path
+    )
+
+
+def _outermost(folders: list[str]) -> list[str]:
+    """``folders`` (sorted) without those inside another of them: a folder is read with
+    everything under it, so ``data/**/`` would index ``data/a``'s samples twice."""
+    out: list[str] = []
+    for d in folders:
+        if not any(d.startswith(o.rstrip("/") + "/") for o in out):
+            out.append(d)
+    return out
 
 
 def _some(names: list[str], most: int = 3) -> str:
@@ -287,10 +315,11 @@ def expand_paths(
     if missing:
         raise _missing_error([missing[s] for s in sorted(missing)])
     every = [p for got in slots for p in got]
-    # one input once (its samples would repeat in the index), however spelled: a/x.tar, ./a/x.tar
+    # one input once (its samples would repeat in the index), however spelled: a/x.tar,
+    # ./a/x.tar, its absolute path (real paths: link/../x.tar may be another file)
     first: dict[str, str] = {}
     for p in every:
-        first.setdefault(p if storage.is_remote(p) else os.path.normpath(p), p)
+        first.setdefault(p if storage.is_remote(p) else os.path.realpath(p), p)
     out = list(first.values())
     if len(out) < len(every):
         log.info("%d input(s) named more than once: each read once", len(every) - len(out))
