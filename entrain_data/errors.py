@@ -92,14 +92,14 @@ def error_fields(exc: BaseException) -> dict[str, Any]:
 
     Only the names above cross: a subclass of one (a module's private ``InvalidInput``)
     crosses as the nearest of them, so ``except InvalidInput`` still catches it on the other
-    side; anything else travels as a plain ``EntrainError`` whose message starts with its
-    type. Nothing is unpickled on the other side.
+    side; anything else (a user's ``EntrainError`` subclass, a ``KeyError``) travels as a
+    plain ``EntrainError`` whose message starts with its type. Nothing is unpickled on the
+    other side.
     """
-    wire = next((c for c in type(exc).__mro__ if _WIRE_TYPES.get(c.__name__) is c), None)
-    if wire is not None:
-        name, message = wire.__name__, str(exc)
-    else:
-        name, message = "EntrainError", f"{type(exc).__name__}: {exc}"
+    wire = next((c for c in type(exc).__mro__ if _WIRE_TYPES.get(c.__name__) is c), EntrainError)
+    name, message = wire.__name__, str(exc)
+    if wire is EntrainError and type(exc) is not EntrainError:  # its own name says what it is
+        message = f"{type(exc).__name__}: {exc}"
     return {
         "error_type": name,
         "message": message,

@@ -83,6 +83,13 @@ def test_a_private_subclass_crosses_as_the_nearest_wire_type():
     back = error_from_fields(error_fields(_Skipped("bad", source="s.tar", key="k")))
     assert type(back) is SampleError and (back.source, back.key) == ("s.tar", "k")
 
+    class TransformFailed(EntrainError):  # a user's: no listed type nearer than EntrainError
+        pass
+
+    back = error_from_fields(error_fields(TransformFailed("bad crop")))
+    assert type(back) is EntrainError and str(back) == "TransformFailed: bad crop"
+    assert str(error_from_fields(error_fields(EntrainError("plain")))) == "plain"
+
 
 def test_foreign_exceptions_cross_as_entrain_error_named_by_type():
     back = error_from_fields(error_fields(KeyError("x")))
