@@ -117,7 +117,7 @@ from .pipeline_search import (
 )
 from .replica_split import fit_caps, norm_columns, split_replicas
 from .shaping import coshaped_candidate, shaped_candidates
-from .stall_shed import shed_stalls
+from .stall_shed import cv_limit, shed_stalls
 
 _SHED_PASSES = 3  # rounds of shed_stalls at most; each runs only where the last one moved work:
 # real:common-voice-ps at 8192 / dp 128 0.8% faster (the rest of the bench unchanged)
@@ -251,10 +251,13 @@ def _assign(x: Inputs, seed: int, iteration: int, tolerance: float):
     def replicas(members: np.ndarray) -> Replicas:
         return replicas_of(x, members)
 
+    limit = None  # every round's balance bound: the first round's (sets before any shedding)
     for _ in range(_SHED_PASSES):  # again while it pays: the next slowest may stall too
-        rp2, e2, l2, st2 = shed_stalls(x, rp, eidx, lidx, stage, replicas, level2)
+        rp2, e2, l2, st2 = shed_stalls(x, rp, eidx, lidx, stage, replicas, level2, limit)
         if rp2 is rp:
             break
+        if limit is None:
+            limit = cv_limit(rp, eidx, lidx)
         rp, eidx, lidx, stage = rp2, e2, l2, st2
     a = _to_assignment("entrain", rp.members, rp.valid, eidx, lidx, x.dp, rp.m)
     return a, rp, eidx, lidx

@@ -35,7 +35,7 @@ import numpy as np
 from .common import Inputs, Replicas, module_cv, module_loads, random_cut_cv, slot_sums
 from .pipeline_search import proxy_times, stage_costs
 
-__all__ = ["shed_stalls"]
+__all__ = ["cv_limit", "shed_stalls"]
 
 _STALL = 0.05  # a replica this much slower than the mean (proxy time) gives work away
 _HEAVY = 0.5  # of a mean microbatch on its busiest stage: a sample that stays where it is
@@ -60,6 +60,7 @@ def shed_stalls(
     stage: tuple[np.ndarray, np.ndarray, np.ndarray],
     replicas: Callable[[np.ndarray], Replicas],
     level2: Level2,
+    limit: np.ndarray | None = None,
 ) -> tuple[Replicas, np.ndarray, np.ndarray, tuple]:
     """(rp, eidx, lidx, stage) with stalled replicas' work given away (see the module
     docstring); the inputs unchanged where no replica stalls or giving does not pay.
@@ -67,7 +68,9 @@ def shed_stalls(
     the sets of its replicas ``rows`` (the givers); a receiver keeps its sets and puts each
     sample it takes into its lightest set that has room under the caps. That and the
     checks that do not wait for the givers' new sets come first (:func:`_fails_early`):
-    a share that cannot be kept costs no level 2."""
+    a share that cannot be kept costs no level 2. ``limit``: every module's batch-wide CV
+    bound (:func:`cv_limit` of the sets before any shedding; by default of these): rounds
+    after the first keep the first one's, so the slack is not taken again each round."""
     same = (rp, eidx, lidx, stage)
     r_count = rp.valid.shape[0]
     if x.stages == 1 or r_count < 2:
@@ -77,10 +80,8 @@ def shed_stalls(
     slow = np.flatnonzero(t > target * (1 + _STALL))
     if len(slow) == 0:
         return same
-    cv0 = _batch_cv(module_loads(rp, eidx, lidx))
-    flat = rp.module_costs[rp.valid][None]  # the whole batch as one replica of R * m sets
-    rc = random_cut_cv(flat, np.ones(flat.shape[:2], bool), rp.m * r_count)[0]
-    limit = np.maximum(cv0 * (1 + _CV_SLACK), _CV_SHARE * rc)
+    if limit is None:
+        limit = cv_limit(rp, eidx, lidx)
     moves = _moves(x, rp, stage, t, target, slow)  # [k, 4]: giver, position, receiver, share
     if len(moves) == 0:
         return same
@@ -107,6 +108,15 @@ def shed_stalls(
         if (_batch_cv(module_loads(rp2, e2, l2)) <= limit + 1e-12).all():
             return rp2, e2, l2, stage2
     return same
+
+
+def cv_limit(rp: Replicas, eidx: np.ndarray, lidx: np.ndarray) -> np.ndarray:
+    """[K] every module's batch-wide CV bound for the sets (eidx, lidx): :data:`_CV_SHARE` of a
+    random equal-count cut's, or :data:`_CV_SLACK` above their own where that is higher."""
+    cv0 = _batch_cv(module_loads(rp, eidx, lidx))
+    flat = rp.module_costs[rp.valid][None]  # the whole batch as one replica of R * m sets
+    rc = random_cut_cv(flat, np.ones(flat.shape[:2], bool), rp.m * rp.valid.shape[0])[0]
+    return np.maximum(cv0 * (1 + _CV_SLACK), _CV_SHARE * rc)
 
 
 def _fails_early(rp, eidx, lidx, stage, givers, bar, limit) -> bool:
