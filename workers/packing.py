@@ -243,7 +243,9 @@ class SamplePacker:
             opener=partial(
                 open_source,
                 metadata_columns=table.column_map or None,
-                metadata_files=parquet_metadata_files(table.sources, table.members),
+                metadata_files=parquet_metadata_files(
+                    table.sources, table.members, table.source_identity
+                ),
             ),
             identities=table.source_identity,  # a file changed since indexing is refused
         )

@@ -357,9 +357,15 @@ class TorchDatasetSource:
         pass
 
 
-def parquet_metadata_files(sources: np.ndarray, members: np.ndarray) -> frozenset[str]:
+def parquet_metadata_files(
+    sources: np.ndarray, members: np.ndarray, known: Collection[str] = ()
+) -> frozenset[str]:
     """The Parquet files of an index that are metadata files (their rows name a record; a
-    table's rows name none): ``--metadata records.parquet`` is no ``metadata.parquet``."""
+    table's rows name none): ``--metadata records.parquet`` is no ``metadata.parquet``.
+    ``known``: the index's distinct sources where it lists them (its identities): without a
+    Parquet file among them no row is read (a 10M-row shard index: 0.6 s in every packer)."""
+    if known and not any(str(s).endswith(PARQUET_SUFFIXES) for s in known):
+        return frozenset()
     rows = np.flatnonzero(members.astype(bool))
     return frozenset(s for s in set(sources[rows].tolist()) if str(s).endswith(PARQUET_SUFFIXES))
 
