@@ -203,8 +203,11 @@ def _remove_stale_new(root: str, prefix: str) -> list[str]:
         try:
             if time.time() - os.stat(path).st_mtime < _NEW_STALE_S:
                 continue
+        except OSError:  # gone meanwhile (renamed by its maker, or swept by another)
+            continue
+        try:
             fd = os.open(os.path.join(path, _OWNER), os.O_RDONLY)
-        except FileNotFoundError:  # killed before its lock file: removed if stale (checked)
+        except FileNotFoundError:  # killed before its lock file: removed, being stale
             fd = None
         except OSError:
             continue
