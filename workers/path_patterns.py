@@ -6,9 +6,8 @@ it matches, sorted, local and remote alike; where it matches folders (prefixes) 
 are read, not the folders (``data/**`` matches ``data``, ``data/sub`` and ``data/sub/0.tar``:
 each folder would index ``0.tar`` again), with a warning naming them, unless none of its files
 is a shard, a table or a metadata file (a README beside the folders): the folders are read
-then. A glob that matches only folders or prefixes (``data/part-*``)
-stands for them, each as if named, the outermost only (a folder is read with what is under
-it). A folder or prefix is one source where an input names it, local folder and object-storage
+then. A glob that matches only folders or prefixes (``data/part-*``) stands for them, each as
+if named, the outermost only (a folder is read with what is under it). A folder or prefix is one source where an input names it, local folder and object-storage
 prefix (``s3://bucket/ds/``, or a key that is only a prefix) alike: read through the metadata
 file ``metadata`` names inside it (the CLI's ``--metadata``: one HEAD, no listing), else
 through its top-level ``metadata.jsonl`` / ``.csv`` / ``.parquet``, else as its loose files (a
