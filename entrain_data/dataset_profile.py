@@ -13,7 +13,7 @@ starts (so they must be cheap: read sizes from metadata, never decode):
   its token cap holds a replica's share of the heaviest possible global batch.
 
 Public API: ``table_from_sizes``, ``costs_from_fn``, ``plan_from_costs``, ``plan_for_dataset``,
-``table_costs``, ``table_encoder_stats``, ``TableCosts``.
+``local_gpu_memory_gb``, ``table_costs``, ``table_encoder_stats``, ``TableCosts``.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ __all__ = [
     "costs_from_fn",
     "plan_from_costs",
     "plan_for_dataset",
+    "local_gpu_memory_gb",
     "table_costs",
     "table_encoder_stats",
     "TableCosts",
@@ -190,12 +191,16 @@ def plan_for_dataset(
     gpus_per_node: int = 8,
     seed: int = 0,
     name: str = "<dataset>",
+    gpu_memory_gb: float | None = None,
 ) -> tuple[ParallelPlan, SampleTable | None]:
     """The static plan for ``dp`` data-parallel ranks, from sizes (with ``model``) or costs.
 
     With ``sizes_fn`` the planner lays out ``model`` (a ModelSpec or its dict) pinned to the
     ranks the training loop has (dp = ranks, no tensor or pipeline split) and picks the
     microbatch count unless given; the table is returned for :class:`TableCosts`.
+    ``gpu_memory_gb``: each GPU's memory, for the plan's memory check and token cap (default:
+    this process's first CUDA device, else 80 GB); a model that does not fit is refused here
+    rather than running out of memory in training.
     """
     if (sizes_fn is None) == (cost_fn is None):
         raise InvalidInput("describe the dataset with exactly one of sizes_fn or cost_fn")
@@ -215,11 +220,25 @@ def plan_for_dataset(
 
     spec = ModelSpec.from_dict(dict(model)) if isinstance(model, Mapping) else model
     table = table_from_sizes(length, sizes_fn, name=name)
-    cluster = Cluster(world_size=dp, gpus_per_node=min(gpus_per_node, dp))
+    memory = gpu_memory_gb if gpu_memory_gb is not None else local_gpu_memory_gb()
+    cluster = Cluster(world_size=dp, gpus_per_node=min(gpus_per_node, dp), gpu_memory_gb=memory)
     plan = make_plan(
         table, spec, cluster, global_batch, dp=dp, tp=1, pp=1, microbatches=microbatches, seed=seed
     )
     return plan, table
+
+
+def local_gpu_memory_gb(default: float = 80.0) -> float:
+    """This process's first CUDA device's memory in GiB (an 80 GB H100 reads 79.2), or
+    ``default`` without one (a CPU process planning for GPUs it does not see)."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_properties(0).total_memory / 2**30
+    except (ImportError, RuntimeError):  # a broken CUDA setup plans as a CPU process does
+        pass
+    return default
 
 
 def table_costs(

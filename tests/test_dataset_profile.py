@@ -93,3 +93,23 @@ def test_a_cost_fn_whose_tokens_are_all_zero_is_named():
     """It failed as "plan: field 'max_tokens' must be a positive integer, got 0"."""
     with pytest.raises(InvalidInput, match=r"every sample has 0 tokens: cost_fn\(i\)"):
         plan_from_costs(np.zeros(16, dtype=np.int64), dp=2, global_batch=8)
+
+
+def test_the_plan_is_for_the_gpus_memory_and_refuses_a_model_that_does_not_fit():
+    """plan_for_dataset (behind EntrainLoader.wrap) planned for 80 GB GPUs whatever the job
+    ran on: a model too large for 16 GB cards passed the plan and ran out of memory later."""
+    from entrain_data.dataset_profile import local_gpu_memory_gb
+    from entrain_data.errors import PlanError
+
+    model = ModelSpec.from_names(["qwen2.5-vl-vision"], "qwen2.5-7b")
+    sizes = lambda i: {"text_tokens": 100 + i, "images": [(448, 448)]}  # noqa: E731
+    plan, _ = plan_for_dataset(64, dp=2, global_batch=16, sizes_fn=sizes, model=model)
+    assert plan.dp == 2
+    with pytest.raises(PlanError, match=r"16 GB"):
+        plan_for_dataset(
+            64, dp=2, global_batch=16, sizes_fn=sizes, model=model, gpu_memory_gb=16
+        )  # fmt: skip
+    import torch
+
+    if not torch.cuda.is_available():
+        assert local_gpu_memory_gb() == 80.0  # no device: the default

@@ -142,6 +142,23 @@ def test_wrap_refuses_what_it_cannot_honour():
         prepare_wrap(ds, batch_size=4, world_size=2)
 
 
+def test_wrap_plans_for_the_gpus_memory_given():
+    """It planned for 80 GB GPUs whatever the job ran on: a 7B model on 16 GB cards passed."""
+    from entrain_data.workers.wrap_dataset import prepare_wrap
+
+    from entrain_data.errors import PlanError
+
+    ds = Pictures()
+    model = ModelSpec.from_names(["qwen2.5-vl-vision"], "qwen2.5-7b")
+    kw = dict(sizes_fn=ds.sizes, model=model, batch_size=4, world_size=2)
+    assert prepare_wrap(ds, **kw).plan.dp == 2
+    with pytest.raises(PlanError, match="16 GB"):
+        prepare_wrap(ds, gpu_memory_gb=16, **kw)
+    plan = prepare_wrap(ds, **kw).plan
+    with pytest.raises(InvalidInput, match="gpu_memory_gb sizes a plan wrap derives"):
+        prepare_wrap(ds, plan=plan, gpu_memory_gb=16, **kw)
+
+
 def test_wrap_respects_batch_size_drop_last_and_names_tuple_fields():
     from entrain_data.workers.wrap_dataset import prepare_wrap
 

@@ -4,7 +4,9 @@ Everything is decided in the caller, before a process starts, so a mistake is on
 :class:`~entrain_data.errors.InvalidInput` instead of a hang or a worker that dies:
 
 - the dataset is profiled once through ``sizes_fn`` or ``cost_fn``
-  (:mod:`entrain_data.dataset_profile`) and, without a ``plan``, the plan is derived from it;
+  (:mod:`entrain_data.dataset_profile`) and, without a ``plan``, the plan is derived from it,
+  for GPUs of ``gpu_memory_gb`` (default: this process's CUDA device, else 80 GB): a model
+  that does not fit them is refused here;
 - the DataLoader's settings are respected or refused: ``batch_size`` is the per-rank batch
   (global batch = batch_size x dp); ``shuffle=False`` is refused (each epoch is a seeded
   permutation, the balancing draws its global batches from it); ``drop_last=False`` is refused
@@ -185,6 +187,7 @@ def prepare_wrap(
     fields: Sequence[str] | None = None,
     workers: int | None = None,
     rank: int = 0,
+    gpu_memory_gb: float | None = None,
     **options: Any,
 ) -> WrapSpec:
     """Check the user's inputs, profile the dataset, derive the plan (see module doc)."""
@@ -218,6 +221,8 @@ def prepare_wrap(
     _check_first_sample(ds, collate, fields)
     if isinstance(plan, str):
         plan = ParallelPlan.load(plan)
+    if plan is not None and gpu_memory_gb is not None:
+        raise InvalidInput("gpu_memory_gb sizes a plan wrap derives; the plan given is made")
     dp = plan.dp if plan is not None else _world_size(world_size)
     if plan is not None and world_size is not None and world_size != plan.world_size:
         raise InvalidInput(f"world_size={world_size} but the plan is for {plan.world_size} ranks")
@@ -245,6 +250,7 @@ def prepare_wrap(
             cost_fn=cost_fn,
             model=model,
             microbatches=microbatches,
+            gpu_memory_gb=gpu_memory_gb,
         )
     if table is None and sizes_fn is not None:
         from entrain_data.dataset_profile import table_from_sizes
