@@ -176,20 +176,7 @@ def remove_orphaned_dirs(root: str, prefix: str, pid: int | None = None) -> list
         owner = os.path.basename(path)[len(prefix) :].split("-", 1)[0]
         if not owner.isdigit() or (pid is not None and int(owner) != pid):
             continue
-        try:
-            fd = os.open(os.path.join(path, _OWNER), os.O_RDONLY)
-        except OSError:  # gone meanwhile, not ours to read, or not one of these
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # held (a process using it is alive), or no flock: owner unknown
-            os.close(fd)
-            continue
-        try:  # removed while locked: nobody can take it up meanwhile
-            shutil.rmtree(path, ignore_errors=True)
-        finally:
-            os.close(fd)
-        if not os.path.exists(path):
+        if _remove_unheld(path, lock_file_needed=True):
             removed.append(path)
     return removed
 
@@ -205,23 +192,32 @@ def _remove_stale_new(root: str, prefix: str) -> list[str]:
                 continue
         except OSError:  # gone meanwhile (renamed by its maker, or swept by another)
             continue
-        try:
-            fd = os.open(os.path.join(path, _OWNER), os.O_RDONLY)
-        except FileNotFoundError:  # killed before its lock file: removed, being stale
-            fd = None
-        except OSError:
-            continue
-        if fd is not None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                os.close(fd)
-                continue
-        try:
-            shutil.rmtree(path, ignore_errors=True)
-        finally:
-            if fd is not None:
-                os.close(fd)
-        if not os.path.exists(path):
+        if _remove_unheld(path, lock_file_needed=False):
             removed.append(path)
     return removed
+
+
+def _remove_unheld(path: str, lock_file_needed: bool) -> bool:
+    """Remove ``path`` unless a live process holds its lock file, locking it meanwhile so nobody
+    takes it up; whether it is gone. Without a lock file it goes only if not ``lock_file_needed``
+    (a half-made directory; a folder of the user's otherwise)."""
+    try:
+        fd: int | None = os.open(os.path.join(path, _OWNER), os.O_RDONLY)
+    except FileNotFoundError:
+        if lock_file_needed:
+            return False
+        fd = None
+    except OSError:  # not ours to read
+        return False
+    if fd is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held (a process using it is alive), or no flock: owner unknown
+            os.close(fd)
+            return False
+    try:  # removed while locked: nobody can take it up meanwhile
+        shutil.rmtree(path, ignore_errors=True)
+    finally:
+        if fd is not None:
+            os.close(fd)
+    return not os.path.exists(path)
