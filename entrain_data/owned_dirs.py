@@ -19,17 +19,27 @@ would leave the directory held by nobody, and a sweep would remove it under a li
 
 On a filesystem without ``flock`` (Lustre mounted without ``-o flock``) a directory is made
 without its lock file, with a warning: what a process killed there leaves stays behind, as
-no sweep removes a directory whose owner it cannot tell.
+no sweep removes a directory whose owner it cannot tell. It holds :data:`_MARK` instead, so
+it is never empty.
+
+Removal (a drop or a sweep) takes the lock file last (:func:`_remove_tree`): a directory of
+ours with contents has it, so whatever a remover killed midway or raced by a writer (a
+worker adding a segment while its coordinator stops) leaves, a sweep can judge. Only an
+empty one lacks it (a remover killed in the instant between that unlink and the ``rmdir``):
+a sweep removes those once untouched for :data:`_STALE_S`, as no live directory of ours is
+ever empty and lockless (made with the lock file or :data:`_MARK`, removed only when dropped).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import glob
 import logging
 import os
 import shutil
+import stat
 import tempfile
 import time
 from multiprocessing import reduction
@@ -48,9 +58,15 @@ log = logging.getLogger(__name__)
 # what flock raises on a filesystem that has none (Lustre without -o flock, some NFS setups)
 _NO_FLOCK = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL})
 _NEW = ".new-"  # put before the prefix of a directory being made: not yet locked
-_NEW_STALE_S = 600.0  # a directory still being made after this long was left by a killed maker
-# (making one takes a millisecond; a sweep of younger ones could race a live maker)
+# a directory still being made, or left empty without its lock file, this long after it was
+# last touched was left by a killed maker or remover: making or removing one takes a
+# millisecond, and a sweep of younger ones could race a live maker (or a remover's retry)
+_STALE_S = 600.0
 _OWNER = ".owner"
+_MARK = ".no-flock"  # in a directory made where flock fails: never empty, so never swept
+# passes of a removal before it leaves the directory, lock file kept, to the next sweep: a
+# writer of ours (a worker as its service stops) adds a file or two, not one every pass
+_REMOVE_PASSES = 50
 _HELD: dict[str, int] = {}  # this process's directories -> the descriptor holding the lock
 
 
@@ -70,7 +86,7 @@ def make_owned_dir(root: str, prefix: str) -> str:
     except BaseException:
         if fd is not None:
             os.close(fd)
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_tree(tmp)
         raise
     if fd is None:
         log.warning(
@@ -88,7 +104,8 @@ def make_owned_dir(root: str, prefix: str) -> str:
 
 def _lock_new(owner: str) -> tuple[int | None, str]:
     """A descriptor holding a shared lock on the new lock file ``owner``; ``(None, why)`` where
-    the filesystem has no ``flock``, the file then removed: no sweep judges that directory."""
+    the filesystem has no ``flock``, the file then replaced by :data:`_MARK`: no sweep judges
+    that directory (a host where flock works would find the lock file unheld)."""
     fd = os.open(owner, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
@@ -97,8 +114,13 @@ def _lock_new(owner: str) -> tuple[int | None, str]:
         if exc.errno not in _NO_FLOCK:
             raise
         os.unlink(owner)
+        _touch(os.path.join(os.path.dirname(owner), _MARK))
         return None, exc.strerror or str(exc)
     return fd, ""
+
+
+def _touch(path: str) -> None:
+    os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
 
 
 def hold_owned_dir(path: str) -> bool:
@@ -159,24 +181,28 @@ def hold_in_child(path: str) -> Any:
 
 
 def drop_owned_dir(path: str) -> None:
-    """Remove a directory this process made or holds, and let go of its lock."""
-    shutil.rmtree(path, ignore_errors=True)
-    fd = _HELD.pop(path, None)
-    if fd is not None:
-        os.close(fd)
+    """Remove a directory this process made or holds, and let go of its lock. Where a process
+    keeps adding files to it, it stays with its lock file: the next sweep removes it."""
+    try:
+        _remove_tree(path)
+    finally:  # the lock goes even if interrupted: a sweep may then finish the removal
+        fd = _HELD.pop(path, None)
+        if fd is not None:
+            os.close(fd)
 
 
 def remove_orphaned_dirs(root: str, prefix: str, pid: int | None = None) -> list[str]:
     """Remove the directories of ``prefix`` in ``root`` that no live process holds (only
     those ``pid`` made, when given); the removed paths. Folders without the lock file (a
-    user's, an older release's) are left alone. Without ``pid``, a directory a maker killed
-    mid-way left (``.new-{prefix}*``, not touched for :data:`_NEW_STALE_S`) goes too."""
+    user's, an older release's, one made where flock fails) are left alone, unless empty and
+    untouched for :data:`_STALE_S` (what a remover killed midway left). Without ``pid``, a
+    directory a maker killed mid-way left (``.new-{prefix}*``, as old) goes too."""
     removed = [] if pid is not None else _remove_stale_new(root, prefix)
     for path in glob.glob(os.path.join(glob.escape(root), f"{glob.escape(prefix)}*-*")):
         owner = os.path.basename(path)[len(prefix) :].split("-", 1)[0]
         if not owner.isdigit() or (pid is not None and int(owner) != pid):
             continue
-        if _remove_unheld(path, lock_file_needed=True):
+        if _remove_unheld(path, half_made=False):
             removed.append(path)
     return removed
 
@@ -188,24 +214,24 @@ def _remove_stale_new(root: str, prefix: str) -> list[str]:
     removed = []
     for path in glob.glob(os.path.join(glob.escape(root), f"{glob.escape(_NEW + prefix)}*")):
         try:
-            if time.time() - os.stat(path).st_mtime < _NEW_STALE_S:
+            if time.time() - os.stat(path).st_mtime < _STALE_S:
                 continue
         except OSError:  # gone meanwhile (renamed by its maker, or swept by another)
             continue
-        if _remove_unheld(path, lock_file_needed=False):
+        if _remove_unheld(path, half_made=True):
             removed.append(path)
     return removed
 
 
-def _remove_unheld(path: str, lock_file_needed: bool) -> bool:
+def _remove_unheld(path: str, half_made: bool) -> bool:
     """Remove ``path`` unless a live process holds its lock file, locking it meanwhile so nobody
-    takes it up; whether it is gone. Without a lock file it goes only if not ``lock_file_needed``
-    (a half-made directory; a folder of the user's otherwise)."""
+    takes it up; whether it is gone. Without a lock file a half-made directory goes (its age
+    checked by the caller), a named one only as :func:`_remove_left_empty` says."""
     try:
         fd: int | None = os.open(os.path.join(path, _OWNER), os.O_RDONLY)
     except FileNotFoundError:
-        if lock_file_needed:
-            return False
+        if not half_made:
+            return _remove_left_empty(path)
         fd = None
     except OSError:  # not ours to read
         return False
@@ -216,8 +242,71 @@ def _remove_unheld(path: str, lock_file_needed: bool) -> bool:
             os.close(fd)
             return False
     try:  # removed while locked: nobody can take it up meanwhile
-        shutil.rmtree(path, ignore_errors=True)
+        return _remove_tree(path)
     finally:
         if fd is not None:
             os.close(fd)
-    return not os.path.exists(path)
+
+
+def _remove_left_empty(path: str) -> bool:
+    """Remove ``path``, named but without its lock file, if it is empty and untouched for
+    :data:`_STALE_S`: a remover's leftover (see the module's docstring). One with contents may
+    be live where flock fails, or a user's: not judged."""
+    try:
+        if time.time() - os.stat(path).st_mtime < _STALE_S:
+            return False  # maybe a remover's between its last two steps, or a user's new one
+        os.rmdir(path)  # fails if anything is in it: checked and removed in one step
+    except OSError:
+        return False
+    return True
+
+
+def _remove_tree(path: str) -> bool:
+    """Remove ``path``, its lock file last; whether it is gone.
+
+    ``shutil.rmtree`` lists the folder, unlinks what it listed (the lock file too), then
+    ``rmdir`` fails, silently, on a file written meanwhile (a worker's new segment while its
+    coordinator stops): the writer later unlinks it and leaves an empty folder without a lock
+    file, that no sweep would judge. Here everything else goes first, listed again until
+    nothing is left; only then the lock file, and if a file came in before the ``rmdir``, the
+    lock file is made again and the removal goes on. Left (a writer that never stops, an entry
+    it cannot remove) it keeps its lock file, for the next sweep once nobody holds it.
+    """
+    owner = os.path.join(path, _OWNER)
+    for _ in range(_REMOVE_PASSES):
+        try:
+            names = os.listdir(path)
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        others = [n for n in names if n != _OWNER]
+        for name in others:
+            _remove_entry(os.path.join(path, name))
+        if others:
+            continue  # listed again: a writer may have added more meanwhile
+        with contextlib.suppress(FileNotFoundError):  # or another remover's, at the same time
+            if names:
+                os.unlink(owner)
+        try:
+            os.rmdir(path)
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError as exc:
+            if names:  # not empty, or not ours to remove: never without its lock file
+                with contextlib.suppress(OSError):  # unless gone meanwhile
+                    _touch(owner)
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                return False
+    return False
+
+
+def _remove_entry(path: str) -> None:
+    """Remove a file, socket or folder in a directory being removed; what fails stays, for
+    the caller's next pass (or its lock file keeps it for a sweep)."""
+    with contextlib.suppress(OSError):
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.unlink(path)

@@ -180,7 +180,8 @@ class SegmentPool:
             os.posix_fallocate(fd, 0, size)  # ENOSPC now, never SIGBUS on a write
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         except OSError:
-            os.unlink(path)
+            with contextlib.suppress(OSError):  # removed already with its directory (a stop)
+                os.unlink(path)
             return None
         finally:
             os.close(fd)

@@ -6,7 +6,9 @@ scheduler's SIGKILL; the shared-memory folders already did not."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import itertools
 import os
 import shutil
 import signal
@@ -160,3 +162,195 @@ def test_a_directory_half_made_by_a_killed_maker_goes_once_stale(tmp_path):
         assert young.is_dir() and held.is_dir()
     finally:
         os.close(fd)
+
+
+# A folder of ours left without its lock file: no sweep could judge it, so it stayed for good
+# (an empty ``entrain-shm-*`` after a full test run). ``shutil.rmtree`` listed the folder,
+# removed what it listed (the lock file too), and its final rmdir failed, silently, on a
+# segment a worker wrote meanwhile (the coordinator drops its shared folder before it stops
+# its workers); the worker unlinked that segment as it stopped.
+
+_WRITER = """
+import os, sys
+made = []
+for line in sys.stdin:
+    if line.strip() == "write":  # a new segment, as a worker's SegmentPool makes one
+        path = os.path.join(sys.argv[1], f"w-{len(made)}.seg")
+        try:
+            os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+        except OSError:
+            print("gone", flush=True)  # the folder is gone: no segment
+            continue
+        made.append(path)
+        print("wrote", flush=True)
+    else:  # stopping: it unlinks its segments, as SegmentPool.close does
+        for path in made:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        print("closed", flush=True)
+        break
+"""
+
+
+class _Writer:
+    """Another process that writes a segment file into ``folder`` each time it is asked."""
+
+    def __init__(self, folder: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _WRITER, folder],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def ask(self, what: str) -> str:
+        self.proc.stdin.write(what + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip()
+
+
+def _segment_folder(root, made_here: bool) -> str:
+    """A folder of ours holding a segment: made and held here, or one whose maker has ended
+    (its lock file held by nobody)."""
+    if made_here:
+        folder = make_owned_dir(str(root), "entrain-shm-")
+    else:
+        folder = str(root / "entrain-shm-1-x")
+        os.mkdir(folder)
+        Path(folder, ".owner").touch()
+    Path(folder, "w-old.seg").touch()
+    return folder
+
+
+@pytest.mark.parametrize("remover", ["drop", "sweep"])
+def test_a_folder_a_process_writes_into_while_it_is_removed_leaves_nothing(
+    tmp_path, monkeypatch, remover
+):
+    """The writer adds a segment right before each of the remover's first three ``rmdir``s
+    (after it listed the folder): deterministic, and the worst timing a real one can hit."""
+    folder = _segment_folder(tmp_path, made_here=remover == "drop")
+    writer = _Writer(folder)
+    real_rmdir = os.rmdir
+    raced: list[str] = []
+
+    def rmdir_raced(path, *args, **kwargs):
+        if os.fspath(path) == folder and len(raced) < 3:
+            raced.append(writer.ask("write"))
+        return real_rmdir(path, *args, **kwargs)
+
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(os, "rmdir", rmdir_raced)
+            if remover == "drop":
+                drop_owned_dir(folder)
+            else:
+                assert remove_orphaned_dirs(str(tmp_path), "entrain-shm-") == [folder]
+        assert raced and set(raced) == {"wrote"}
+        assert writer.ask("close") == "closed"
+        writer.proc.wait(30)
+        assert os.listdir(tmp_path) == []  # before: the folder, empty, without its lock file
+    finally:
+        writer.proc.kill()
+        writer.proc.wait(30)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _die_at(step: int, remover: str, root: str) -> None:
+    """In a forked child: remove the folder(s) in ``root``, killed with SIGKILL right before
+    the ``step``-th unlink or rmdir; exits normally if the removal takes fewer steps."""
+    try:
+        path = _segment_folder(Path(root), made_here=True) if remover == "drop" else None
+        for i in range(3):
+            Path(path or os.path.join(root, "entrain-shm-1-x"), f"w-{i}.seg").touch()
+        steps = itertools.count(1)
+
+        def dying(real):
+            def call(*args, **kwargs):
+                if next(steps) == step:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return real(*args, **kwargs)
+
+            return call
+
+        os.unlink, os.rmdir = dying(os.unlink), dying(os.rmdir)
+        if path is not None:
+            drop_owned_dir(path)
+        else:
+            remove_orphaned_dirs(root, "entrain-shm-")
+    finally:
+        os._exit(0)
+
+
+@pytest.mark.parametrize("remover", ["drop", "sweep"])
+def test_what_a_remover_killed_at_any_step_leaves_the_next_sweep_removes(tmp_path, remover):
+    """Killed after unlinking the lock file (rmtree: in whatever order the folder lists) and
+    before the rmdir, it left a folder no sweep judged. Now the lock file goes last, and a
+    folder left empty without it goes once stale."""
+    root = str(tmp_path)
+    for step in range(1, 30):
+        if remover == "sweep":
+            _segment_folder(tmp_path, made_here=False)  # its maker has ended
+        child = os.fork()
+        if child == 0:
+            _die_at(step, remover, root)  # never returns
+        _, status = os.waitpid(child, 0)
+        left = {p.name: sorted(os.listdir(p)) for p in tmp_path.iterdir()}
+        old = time.time() - 3600  # swept as if looked at later: a leftover empty one is stale
+        for p in tmp_path.iterdir():
+            os.utime(p, (old, old))
+        remove_orphaned_dirs(root, "entrain-shm-")
+        assert os.listdir(tmp_path) == [], f"killed at step {step}, it left {left}"
+        if os.WIFEXITED(status):
+            break  # the removal ended before this step: every step was covered
+    else:
+        pytest.fail("the removal never ended")
+
+
+def test_a_folder_left_empty_without_its_lock_file_goes_once_stale(tmp_path):
+    """Only that: a young one may be a remover's between its last two steps; one with
+    contents may be live where flock fails (or a user's); a held one is in use."""
+    stale = tmp_path / "entrain-shm-3072-_u62z_62"  # as the slow test run left one
+    young = tmp_path / "entrain-shm-3073-young"
+    full = tmp_path / "entrain-shm-3074-full"
+    held = tmp_path / "entrain-shm-3075-held"
+    other = tmp_path / "entrain-ipc-3072-other"  # another prefix
+    for d in (stale, young, full, held, other):
+        d.mkdir()
+    (full / "data.sock").touch()
+    (held / ".owner").touch()
+    fd = os.open(held / ".owner", os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    old = time.time() - 3600
+    for d in (stale, full, held, other):
+        os.utime(d, (old, old))
+    try:
+        assert remove_orphaned_dirs(str(tmp_path), "entrain-shm-", pid=3073) == []
+        assert remove_orphaned_dirs(str(tmp_path), "entrain-shm-") == [str(stale)]
+        assert young.is_dir() and full.is_dir() and held.is_dir() and other.is_dir()
+        assert remove_orphaned_dirs(str(tmp_path), "entrain-ipc-", pid=3072) == [str(other)]
+    finally:
+        os.close(fd)
+        for d in (young, full, held):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_folder_made_where_flock_fails_is_never_taken_for_a_leftover(tmp_path, monkeypatch):
+    """It has no lock file while in use: it holds a mark instead, so it is never empty."""
+
+    def no_locks(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    with monkeypatch.context() as m:
+        m.setattr(fcntl, "flock", no_locks)
+        path = make_owned_dir(str(tmp_path), "entrain-shm-")
+    try:
+        assert ".owner" not in os.listdir(path)
+        old = time.time() - 3600
+        os.utime(path, (old, old))  # an idle service's: it made no segment for an hour
+        assert remove_orphaned_dirs(str(tmp_path), "entrain-shm-") == []
+        assert os.path.isdir(path)
+    finally:
+        drop_owned_dir(path)
+    assert os.listdir(tmp_path) == []
