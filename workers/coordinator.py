@@ -159,8 +159,8 @@ class Coordinator:
             self.state = State.DRAINING
             if self.ahead is not None:
                 self.ahead.close()
+            pool.stop(timeout=2.0)  # first: no worker then writes a segment into the folder
             self.production.close()
-            pool.stop(timeout=2.0)
             front.close(linger=500)  # the last error/end messages still leave
             back.close(linger=0)
             if remote is not None:
