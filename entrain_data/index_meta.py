@@ -5,10 +5,14 @@ Two entries, both JSON, both optional (an index without them is read as before):
 - ``entrain_data.column_map``: role -> Parquet column given at index time, so ``serve`` reads the
   rows as they were indexed;
 - ``entrain_data.source_identity`` (schema version 2): source -> what the file was when it was
-  indexed (``size`` and ``mtime_ns`` for a local file; ``size`` and the ``etag`` and/or
-  ``version`` / ``generation`` the object store reported). Workers compare it with the file they
-  open: the index holds positions (tar members, Parquet rows) that are only valid in the file
-  they were read from.
+  indexed (``size``, ``mtime_ns`` and ``head_tail``, a hash of its ends, for a local file;
+  ``size`` and the ``etag`` and/or ``version`` / ``generation`` the object store reported).
+  Workers compare it with the file they open: the index holds positions (tar members, Parquet
+  rows) that are only valid in the file they were read from.
+
+  ``head_tail`` came without a version bump: it is optional, readers compare only the fields
+  they know (an older package checks such an index by mtime as before; a bump would make it
+  refuse the index outright), and an index without it is checked by mtime.
 
 Kept apart from :mod:`.metadata` so that module stays about the columns.
 """
@@ -38,7 +42,8 @@ COLUMNS_KEY = b"entrain_data.column_map"
 IDENTITY_KEY = b"entrain_data.source_identity"
 
 Identity = Mapping[str, int | str]
-"""One source's identity fields (``size``, ``mtime_ns``, ``etag``, ``version``, ``generation``)."""
+"""One source's identity fields (``size``, ``mtime_ns``, ``head_tail``, ``etag``, ``version``,
+``generation``); unknown ones are kept and not compared."""
 
 
 def _json(meta: Mapping[bytes, bytes], key: bytes, what: str, origin: str) -> object:

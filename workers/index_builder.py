@@ -33,9 +33,10 @@ skipped=None, metadata=None, captions="first") -> SampleTable``
   ``skip`` leaves it out, logs it (debug) and appends ``{"key", "source", "error"}`` to
   ``skipped`` (the CLI writes them to a file and prints one summary line).
 
-Every file's identity, taken before it is read (:func:`.source_identity.probe_identity`: size and
-mtime, or size and ETag / version), is stored in the index (``SampleTable.source_identity``), so
-workers refuse a file replaced since (folders of loose files are not recorded).
+Every file's identity, taken before it is read (:func:`.source_identity.probe_identity`: size,
+mtime and a fingerprint of its first and last 64 KiB, or size and ETag / version), is stored in the
+index (``SampleTable.source_identity``), so workers refuse a file replaced since but serve a copy
+that did not keep its mtime (folders of loose files are not recorded).
 
 The result is validated by :class:`~entrain_data.metadata.SampleTable` (unique keys, sizes >= 1...).
 """
@@ -333,7 +334,7 @@ def _identity_before_reading(path: str) -> dict[str, int | str] | None:
     if is_dir(path):
         return None
     try:
-        return probe_identity(path)
+        return probe_identity(path, fingerprint=True)  # a copy's new mtime is then no change
     except OSError as exc:
         log.debug("index: no identity recorded for %s (%s)", path, exc)
         return None
