@@ -156,8 +156,9 @@ def image_size(data: bytes) -> tuple[int, int]:
         SyntaxError,
         ValueError,
         Image.DecompressionBombError,
-    ) as exc:
-        raise ValueError(f"not a readable image ({exc})") from exc
+    ) as exc:  # PIL names the file as <_io.BytesIO object at 0x...>: the caller names it
+        why = "not a known image format" if isinstance(exc, UnidentifiedImageError) else exc
+        raise ValueError(f"not a readable image ({why})") from exc
     if w < 1 or h < 1:
         raise ValueError(f"image has an empty size {w}x{h}")
     return int(h), int(w)
@@ -311,7 +312,8 @@ def audio_seconds(data: bytes) -> float:
             with wave.open(io.BytesIO(data)) as w:
                 frames, rate = w.getnframes(), w.getframerate()
         except (wave.Error, EOFError, OSError) as exc2:
-            raise ValueError(f"not a readable audio file ({exc}; {exc2})") from exc
+            why = getattr(exc, "error_string", exc)  # not "Error opening <_io.BytesIO ...>"
+            raise ValueError(f"not a readable audio file ({why}; {exc2})") from exc
     if rate <= 0 or frames < 0:
         raise ValueError(f"audio header has {frames} frames at {rate} Hz")
     return frames / rate
