@@ -17,12 +17,15 @@ worker), so it holds paths and recipes, never open files or sockets.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Protocol
 
 import numpy as np
+
+from entrain_data.protocol import DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +38,11 @@ __all__ = [
     "DatasetSource",
     "CustomSource",
     "encoder_stats",
+    "field_problems",
+    "wire_array",
+    "describe",
+    "advice",
+    "WIRE_NOTE",
 ]
 
 Costs = tuple[np.ndarray, np.ndarray, np.ndarray]
@@ -136,9 +144,10 @@ class DatasetSource:
     ``collate_fn`` (default: torch's ``default_collate``) into a dict of tensors;
     when the encoder set differs (deferral), its collated tensors follow under
     ``encoder/<name>``. Dataset, collate and cost function must be picklable (spawn).
-    A sample whose ``dataset[i]`` raises, or (default collate) whose fields differ from
-    ``dataset[0]``'s, is a ``SampleError`` naming ``dataset[i]``; under ``on_error="skip"`` it
-    is left out of both sets and listed, as an index's bad samples are.
+    A sample whose ``dataset[i]`` raises, whose fields (default collate) differ from
+    ``dataset[0]``'s or hold what the wire cannot carry (a str, bfloat16, ...), or that the
+    collate cannot batch, is a ``SampleError`` naming ``dataset[i]``; under ``on_error="skip"``
+    it is left out of both sets and listed, as an index's bad samples are (not a worker crash).
     """
 
     dataset: Any
@@ -161,12 +170,114 @@ class DatasetSource:
         return _DatasetPacker(self.dataset, self.collate_fn, self.on_error)
 
 
+def _is_tensor(value: Any) -> bool:
+    torch = sys.modules.get("torch")  # a tensor exists only where torch was imported
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+WIRE_NOTE = "the wire carries only tensors of " + ", ".join(DTYPES)
+
+
+def describe(value: Any) -> str:
+    """A field's value as a user would name it: ``a str``, ``a bfloat16 tensor``, ``None``."""
+    if value is None:
+        return "None"
+    if _is_tensor(value):
+        return f"a {str(value.dtype).removeprefix('torch.')} tensor"
+    if isinstance(value, np.ndarray):
+        return f"a {value.dtype} array"
+    if isinstance(value, (list, tuple)) and value:
+        return f"a {type(value).__name__} of {describe(value[0]).removeprefix('a ')}"
+    t = type(value)
+    name = t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+    return f"a {name}"
+
+
+def advice(value: Any) -> str:
+    """What to do with a value the wire cannot carry (strings, dicts, bfloat16, objects)."""
+    inner = value[0] if isinstance(value, (list, tuple)) and value else value
+    dtype = str(getattr(inner, "dtype", ""))
+    if dtype.endswith("bfloat16"):
+        return "return it as float32 (or float16) and cast it to bfloat16 on the device"
+    where = "in the dataset or a collate_fn, or drop the field"
+    if isinstance(inner, (str, bytes)) or getattr(inner, "dtype", np.dtype(int)).kind in "US":
+        return f"turn the text into token ids (an integer tensor) {where}"
+    if isinstance(inner, Mapping):
+        return f"give its parts as top-level fields {where}"
+    return (
+        "turn it into a tensor in the dataset (a transform: torchvision's PILToTensor for an "
+        "image) or in a collate_fn, or drop the field"
+    )
+
+
+def wire_array(value: Any) -> np.ndarray | None:
+    """A collated field as the numpy array the wire carries, or None where it cannot."""
+    try:
+        if _is_tensor(value):
+            if str(value.dtype) == "torch.bfloat16":  # .numpy() would raise a bare TypeError
+                return None
+            value = value.detach().cpu().numpy()
+        arr = np.asarray(value)
+    except (TypeError, ValueError, RuntimeError):  # ragged lists, unsupported torch dtypes
+        return None
+    if arr.dtype.name not in DTYPES:
+        return None
+    return arr.astype(arr.dtype.newbyteorder("=")) if arr.dtype.byteorder == ">" else arr
+
+
+def _kind(value: Any) -> Any:
+    """What torch's default collate batches alike: arrays, numbers, else the type itself."""
+    if isinstance(value, np.ndarray) or _is_tensor(value):
+        return "array"
+    if isinstance(value, (bool, int, float, np.bool_, np.integer, np.floating)):
+        return "number"
+    return type(value)
+
+
+def _value_problem(value: Any) -> bool:
+    """Whether torch's default collate of this value gives something the wire cannot carry."""
+    if isinstance(value, (list, tuple)):
+        return any(_value_problem(v) for v in value)
+    if _kind(value) == "number":
+        return False
+    return _kind(value) != "array" or wire_array(value) is None
+
+
+def field_problems(sample: Mapping[Any, Any], ref: Mapping[Any, Any] | None = None) -> list[str]:
+    """The fields of a dict sample that torch's default collate cannot bring onto the wire or
+    (given ``ref``, dataset[0]) cannot batch with ``ref``'s: a decision from the sample alone."""
+    out = []
+    for name, value in sample.items():
+        what = f"field {str(name)!r} is {describe(value)}"
+        if _value_problem(value):
+            out.append(f"{what}: {advice(value)}")
+            continue
+        other = None if ref is None else ref[name]
+        if ref is None or _kind(other) == "number" == _kind(value):
+            continue
+        if _kind(other) != _kind(value):
+            out.append(f"{what}, dataset[0]'s {describe(other)}")
+        elif _kind(value) == "array" and tuple(value.shape) != tuple(other.shape):
+            out.append(
+                f"{what} of shape {tuple(value.shape)}, dataset[0]'s of {tuple(other.shape)} "
+                "(the default collate stacks them: a collate_fn that pads them if sizes vary)"
+            )
+    return out
+
+
+class _Unbatchable(Exception):
+    """The collate failed on a set of samples, or gave what the wire cannot carry."""
+
+
 class _DatasetPacker:
-    """Items loaded one by one (a failing ``dataset[i]`` is named); with the default collate,
-    which joins dict items field by field, an item whose fields differ from ``dataset[0]``'s
-    is named too: the same decision for a sample in every microbatch that holds it (its
-    encoder set and its LLM set), whatever else is there. A custom collate decides itself;
-    where it fails, the error names the microbatch's rows."""
+    """Items loaded one by one (a failing ``dataset[i]`` is named). With torch's default
+    collate, which joins dict items field by field, an item whose fields differ from
+    ``dataset[0]``'s, or one whose field the wire cannot carry or stack with dataset[0]'s, is
+    named too: decided from the item alone, so the same in every microbatch that holds it (its
+    encoder set and its LLM set). A user's collate_fn may accept items that differ (it decides);
+    where it fails on a set, or gives what the wire cannot carry, each item is collated with
+    ``dataset[0]`` and those that fail are named; that decision is taken only where a set
+    fails. A set that fails although each item collates with dataset[0] names its rows."""
 
     def __init__(
         self, dataset: Any, collate_fn: Callable[[list[Any]], Any] | None, on_error: str = "skip"
@@ -179,18 +290,29 @@ class _DatasetPacker:
             raise InvalidInput(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         self.dataset, self.on_error = dataset, on_error
         self.collate = collate_fn or default_collate
-        self._check_fields = collate_fn is None
+        self._default = self.collate is default_collate  # a DataLoader's own, or None
 
     @cached_property
-    def _reference(self) -> frozenset | None:
-        """``dataset[0]``'s fields (wrap checked that sample), or None: no check."""
-        if not self._check_fields:
-            return None
+    def _first(self) -> Any:
+        """``dataset[0]`` (wrap checked that sample), or None where it cannot be read here."""
         try:
-            first = self.dataset[0]
+            return self.dataset[0]
         except Exception:  # named where it is packed, if ever
             return None
-        return frozenset(first) if isinstance(first, Mapping) and first else None
+
+    def _problem(self, item: Any) -> str | None:
+        """Why the default collate cannot batch ``item`` with dataset[0], from the item alone."""
+        ref = self._first
+        if not self._default or not isinstance(ref, Mapping) or not ref:
+            return None
+        if not isinstance(item, Mapping):
+            return f"is {describe(item)}, dataset[0] a dict"
+        if frozenset(item) != frozenset(ref):
+            return (
+                f"fields {sorted(map(str, item))} differ from dataset[0]'s {sorted(map(str, ref))}"
+            )
+        problems = field_problems(item, ref)
+        return f"{'; '.join(problems)} ({WIRE_NOTE})" if problems else None
 
     def _bad(self, row: int, why: str, skipped: list[dict[str, str]]) -> None:
         """Raise a SampleError naming ``dataset[row]``, or (skip) list it."""
@@ -202,30 +324,44 @@ class _DatasetPacker:
         log.warning("skipping sample: %s", exc)
         skipped.append({"key": str(row), "source": "dataset", "error": str(exc)})
 
-    def _collate(
-        self, rows: list[int], items: dict[int, Any], prefix: str
-    ) -> dict[str, np.ndarray]:
-        if not rows:
+    def _pack(self, samples: list[Any]) -> dict[str, np.ndarray]:
+        """Collate and convert to wire arrays; :class:`_Unbatchable` says why not."""
+        if not samples:
             return {}
         try:
-            batch = self.collate([items[i] for i in rows])
+            batch = self.collate(samples)
         except Exception as exc:
-            from entrain_data.errors import SampleError
-
-            raise SampleError(
-                f"collate_fn failed on dataset{rows[:8]}: {type(exc).__name__}: {exc}",
-                source="dataset",
-                key=str(rows[0]),
-            ) from exc
-        if not isinstance(batch, dict):
-            raise TypeError(f"collate_fn must return a dict of tensors, got {type(batch).__name__}")
+            raise _Unbatchable(f"{type(exc).__name__}: {exc}") from exc
+        if not isinstance(batch, Mapping):
+            raise _Unbatchable(f"collate_fn gave a {type(batch).__name__}, not a dict of tensors")
         out = {}
         for name, value in batch.items():
-            arr = value.numpy() if hasattr(value, "numpy") else np.asarray(value)
-            out[prefix + str(name)] = arr
+            arr = wire_array(value)
+            if arr is None:
+                raise _Unbatchable(
+                    f"field {str(name)!r} is {describe(value)}: {advice(value)} ({WIRE_NOTE})"
+                )
+            out[str(name)] = arr
         return out
 
+    def _culprits(self, rows: list[int], items: dict[int, Any]) -> dict[int, str]:
+        """The rows whose item does not collate with dataset[0] (alone, without a reference)."""
+        ref, bad = self._first, {}
+        try:
+            if ref is not None:
+                self._pack([ref, ref])
+        except _Unbatchable:  # the collate cannot batch two items at all: each alone
+            ref = None
+        for i in rows:
+            try:
+                self._pack([items[i]] if ref is None else [ref, items[i]])
+            except _Unbatchable as exc:
+                bad[i] = f"collate_fn fails on it{'' if ref is None else ' with dataset[0]'}: {exc}"
+        return bad
+
     def __call__(self, encoder_rows: list[int], llm_rows: list[int]) -> Packed:
+        from entrain_data.errors import SampleError
+
         skipped: list[dict[str, str]] = []
         items: dict[int, Any] = {}
         for i in dict.fromkeys([*encoder_rows, *llm_rows]):
@@ -234,18 +370,33 @@ class _DatasetPacker:
             except Exception as exc:  # the user's __getitem__: name the sample
                 self._bad(i, f"{type(exc).__name__}: {exc}", skipped)
                 continue
-            ref = self._reference
-            if ref is not None and isinstance(item, Mapping) and frozenset(item) != ref:
-                got = sorted(map(str, item))
-                self._bad(i, f"fields {got} differ from dataset[0]'s {sorted(map(str, ref))}",
-                          skipped)  # fmt: skip
+            why = self._problem(item)
+            if why is not None:
+                self._bad(i, why, skipped)
                 continue
             items[i] = item
-        enc = [i for i in encoder_rows if i in items]
-        llm = [i for i in llm_rows if i in items]
-        tensors = self._collate(llm, items, "")
-        if sorted(enc) != sorted(llm):
-            tensors.update(self._collate(enc, items, "encoder/"))
+        while True:  # each round names at least one item, or stops
+            enc = [i for i in encoder_rows if i in items]
+            llm = [i for i in llm_rows if i in items]
+            sets = [(llm, "")] + ([(enc, "encoder/")] if sorted(enc) != sorted(llm) else [])
+            tensors: dict[str, np.ndarray] = {}
+            try:
+                for rows, prefix in sets:
+                    failing = rows
+                    packed = self._pack([items[i] for i in rows])
+                    tensors.update((prefix + k, v) for k, v in packed.items())
+                break
+            except _Unbatchable as exc:
+                bad = self._culprits(failing, items)
+                if not bad:
+                    raise SampleError(
+                        f"collate_fn failed on dataset{failing[:8]}: {exc}",
+                        source="dataset",
+                        key=str(failing[0]),
+                    ) from exc
+                for i, why in bad.items():
+                    self._bad(i, why, skipped)
+                    del items[i]
         return Packed([str(i) for i in enc], [str(i) for i in llm], tensors, skipped=skipped)
 
 

@@ -13,6 +13,9 @@ Everything is decided in the caller, before a process starts, so a mistake is on
   when the dataset does not divide into global batches (the service never serves a partial
   one); a custom sampler or batch sampler is refused;
 - tuple samples are named by ``fields`` (``("pixels", "label")``) before collation;
+- ``dataset[0]`` is collated here: a field the wire cannot carry (only numeric tensors cross it:
+  no str, dict, bfloat16, image or None) is refused by name, with what to do instead; a later
+  item with such a field is named and skipped under ``on_error`` (see ``DatasetSource``);
 - ``cost_fn``/``sizes_fn``, dataset and collate must pickle (spawn sends them to the
   processes); a script without ``if __name__ == "__main__":`` is named as such.
 """
@@ -36,7 +39,16 @@ from entrain_data.dataset_profile import (
 from entrain_data.errors import InvalidInput
 from entrain_data.plan import ParallelPlan
 
-from .sample_source import Costs, DatasetSource, Packer
+from .sample_source import (
+    WIRE_NOTE,
+    Costs,
+    DatasetSource,
+    Packer,
+    advice,
+    describe,
+    field_problems,
+    wire_array,
+)
 
 __all__ = ["WrapSpec", "prepare_wrap", "NamedFields", "ProfiledDataset"]
 
@@ -116,8 +128,11 @@ def _check_picklable(name: str, obj: Any) -> None:
 
 
 def _loader_settings(dl: Any) -> tuple[Any, Any, int, int | None]:
-    """(dataset, collate_fn, num_workers, per-rank batch size) of a DataLoader, or refusals."""
-    from torch.utils.data import RandomSampler, SequentialSampler
+    """(dataset, collate_fn, num_workers, per-rank batch size) of a DataLoader, or refusals.
+
+    torch's ``default_collate`` (a DataLoader's unless given one) comes back as None: the
+    packer then checks each dict item's fields against dataset[0]'s and skips one that differs."""
+    from torch.utils.data import RandomSampler, SequentialSampler, default_collate
     from torch.utils.data.sampler import BatchSampler
 
     sampler = getattr(dl, "sampler", None)
@@ -139,11 +154,13 @@ def _loader_settings(dl: Any) -> tuple[Any, Any, int, int | None]:
         raise InvalidInput(
             "DataLoader with a custom batch_sampler or batch_size=None: give batch_size"
         )
-    return dl.dataset, dl.collate_fn, int(getattr(dl, "num_workers", 0)), int(dl.batch_size)
+    collate = None if dl.collate_fn is default_collate else dl.collate_fn  # fields checked
+    return dl.dataset, collate, int(getattr(dl, "num_workers", 0)), int(dl.batch_size)
 
 
 def _check_first_sample(ds: Any, collate: Any, fields: Sequence[str] | None) -> None:
-    """Collate ``dataset[0]`` here: a tuple sample without ``fields`` fails now, by name."""
+    """Collate ``dataset[0]`` here: a tuple sample without ``fields``, or a field the wire cannot
+    carry (a str, a dict, bfloat16, an image or None), fails now, by name, not in a worker."""
     if len(ds) == 0:
         raise InvalidInput("EntrainLoader.wrap: the dataset is empty")
     sample = ds[0]
@@ -152,13 +169,30 @@ def _check_first_sample(ds: Any, collate: Any, fields: Sequence[str] | None) -> 
             f"dataset[0] is a {type(sample).__name__} of {len(sample)}: name its parts with "
             "fields=('name0', 'name1', ...) so microbatches carry named tensors"
         )
+    if collate is None and isinstance(sample, Mapping):  # the default collate: field by field
+        problems = field_problems(sample)
+        if problems:
+            raise InvalidInput(f"dataset[0]: {'; '.join(problems)} ({WIRE_NOTE})")
     if collate is None:
         from torch.utils.data import default_collate as collate
-    batch = collate([sample])
+    try:
+        batch = collate([sample])
+    except Exception as exc:
+        raise InvalidInput(
+            f"collate_fn([dataset[0]]) failed on {describe(sample)}: {type(exc).__name__}: {exc}; "
+            "give dict samples of tensors, or a collate_fn that makes them"
+        ) from exc
     if not isinstance(batch, Mapping):
         raise InvalidInput(
             f"collate_fn([dataset[0]]) gave a {type(batch).__name__}; it must give a dict of tensors"
         )
+    bad = [
+        f"field {str(k)!r} is {describe(v)}: {advice(v)}"
+        for k, v in batch.items()
+        if wire_array(v) is None
+    ]
+    if bad:
+        raise InvalidInput(f"collate_fn([dataset[0]]) gives {'; '.join(bad)} ({WIRE_NOTE})")
 
 
 def _world_size(world_size: int | None) -> int:
