@@ -76,6 +76,39 @@ def test_an_endpoint_a_live_service_listens_on_is_refused(tmp_path, dataset):  #
     assert notes.read_text() == "mine"
 
 
+def test_two_services_started_together_on_one_ipc_path_one_is_refused(
+    tmp_path,
+    dataset,  # noqa: F811
+    monkeypatch,
+):
+    """Both passed the probe (nobody listened yet), both bound, both said they served; the
+    ranks reached only the second, and either one's stop unlinked the other's socket. Here the
+    probe is passed by both (patched out): whichever claims the path first serves, the other
+    stops with AddressInUse, and the stop leaves neither the socket nor its lock file."""
+    from entrain_data.workers import service
+
+    monkeypatch.setattr(service, "_ipc_taken", lambda ep: None)
+    ep = f"ipc://{tmp_path}/svc.sock"
+    (tmp_path / "svc.sock.lock").write_text("")  # what a service killed with SIGKILL leaves
+    for name in "ab":
+        (tmp_path / name).mkdir()  # each its own socket folder (the workers' sockets)
+    both = [start(tmp_path / n, dataset, make_plan(), endpoint=ep) for n in "ab"]
+    try:
+        deadline = time.monotonic() + 60
+        while all(h.alive() for h in both) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        lost = [h for h in both if not h.alive()]
+        assert len(lost) == 1, "both services still run on one path"
+        assert isinstance(lost[0].failure(), AddressInUse), lost[0].failure()
+        (won,) = [h for h in both if h.alive()]
+        _take_exactly(won, [0, 1], 1)  # it serves: its socket file is its own
+    finally:
+        for h in both:
+            h.close()
+    assert not (tmp_path / "svc.sock").exists()
+    assert not (tmp_path / "svc.sock.lock").exists()
+
+
 def test_ranks_that_stop_after_exactly_their_microbatches_end_the_service(tmp_path, dataset):  # noqa: F811
     """The last credit went only when the generator resumed: a fixed-step loop that closed
     after its last microbatch left the service running."""

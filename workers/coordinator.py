@@ -32,6 +32,7 @@ from entrain_data.errors import (
 )
 from entrain_data.plan import ParallelPlan
 
+from . import ipc_claim
 from .assign_ahead import AssignAhead
 from .config import ServiceConfig, State
 from .delivery import unread_features
@@ -120,10 +121,15 @@ class Coordinator:
             signal.signal(signal.SIGINT, self.request_stop)
             signal.signal(signal.SIGTERM, self.request_stop)
         ctx = zmq.Context()
-        try:
+        claims: list[tuple[str, int | None]] = []
+        try:  # each ipc path ours before the bind, until the sockets are closed (ipc_claim)
+            for ep in (self.cfg.endpoint, self.cfg.worker_endpoint):
+                claims.append((ep, ipc_claim.claim(ep)))
             front, back, remote = open_sockets(ctx, self.cfg)
         except BaseException:
             ctx.term()
+            for ep, fd in claims:
+                ipc_claim.release(ep, fd)
             self.state = State.STOPPED
             raise
         pool = WorkerPool(
@@ -166,6 +172,8 @@ class Coordinator:
             if remote is not None:
                 remote.close(linger=200)  # the stop messages to remote workers still leave
             ctx.term()
+            for ep, fd in claims:
+                ipc_claim.release(ep, fd)
             self.state = State.STOPPED
             log.info("stopped: %s", json.dumps(self.stats()))
         if self.error is not None:

@@ -34,6 +34,7 @@ from entrain_data.owned_dirs import drop_owned_dir, hold_in_child, hold_owned_di
 from entrain_data.plan import ParallelPlan
 from entrain_data.shared_batch import remove_shared_dirs
 
+from . import ipc_claim
 from .coordinator import Coordinator, ServiceConfig
 from .pool import stop_processes
 from .sample_source import CustomSource, IndexSource, SampleSource
@@ -276,10 +277,7 @@ def remove_ipc(cfg: ServiceConfig) -> None:
     """Unlink the service's ipc sockets, and remove the folder it made for them (only that:
     a user's ``--endpoint`` or ``socket_dir`` folder holds their own files)."""
     for ep in (cfg.endpoint, cfg.worker_endpoint):
-        if ep.startswith("ipc://"):
-            path = ep[len("ipc://") :]
-            if os.path.exists(path):
-                os.unlink(path)
+        ipc_claim.remove_unclaimed(ep)  # never a successor's: a new service may claim the path
     if cfg.own_dir:
         drop_owned_dir(cfg.own_dir)
 
