@@ -38,7 +38,11 @@ mtime and a fingerprint of its first and last 64 KiB, or size and ETag / version
 index (``SampleTable.source_identity``), so workers refuse a file replaced since but serve a copy
 that did not keep its mtime (folders of loose files are not recorded).
 
-The result is validated by :class:`~entrain_data.metadata.SampleTable` (unique keys, sizes >= 1...).
+Keys a mapped ``key`` column or field gives are the user's: a repeat is refused naming both
+records, never renamed. Keys the index makes (shard member keys, ``<table>:<row>``,
+``<metadata file>:<line>``) repeated across files take the file's name, or its path below the
+folder common to them, as a prefix (:func:`_unique_keys`). The result is validated by
+:class:`~entrain_data.metadata.SampleTable` (unique keys, sizes >= 1...).
 """
 
 from __future__ import annotations
@@ -62,6 +66,13 @@ from .storage import INDEX_BLOCK, is_dir, open_parquet
 from .tokenizer import TextTokenizer, as_tokenizer, count_text_tokens
 
 __all__ = ["build_index", "index_shard", "index_parquet", "sample_meta_from_members"]
+
+PARQUET_ROLES = ("key", "text", "text_tokens", "image", "audio", "image_height", "image_width",
+                 "image_frames", "audio_seconds")  # fmt: skip
+"""Roles a Parquet table's columns may be mapped to (module doc); another is a typo, refused."""
+
+Claimed = dict[str, tuple[str, str]]
+"""User keys seen so far: key -> (source, where its record is), to name both of a repeat."""
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +173,18 @@ def _skip(skipped: list[dict[str, str]] | None, key: str, source: str, exc: Exce
         skipped.append({"key": key, "source": source, "error": str(exc)})
 
 
+def _claim(seen: Claimed, key: str, source: str, where: str, column: str) -> None:
+    """A key from the user's key column, once: renamed to stay unique, it would no longer be
+    the user's key (served keys, skip lists), so a repeat is refused naming both records."""
+    first = seen.setdefault(key, (source, where))
+    if first != (source, where):
+        raise InvalidInput(
+            f"duplicate key {key!r} in column {column!r}: {first[1]} and {where} (keys must be "
+            "unique: drop or rename the repeats, or map no key column: keys are then the file's "
+            "name and line or row)"
+        )
+
+
 def index_metadata(
     path: str,
     tokenizer: TextTokenizer,
@@ -170,15 +193,22 @@ def index_metadata(
     captions: str = "first",
     on_error: str = "raise",
     skipped: list[dict[str, str]] | None = None,
+    seen: Claimed | None = None,
 ) -> tuple[list[SampleMeta], dict[str, str]]:
     """Records of every record of a metadata file (:mod:`.metadata_source`) and the resolved
-    column mapping (stored in the index, so ``serve`` reads the records the same way)."""
+    column mapping (stored in the index, so ``serve`` reads the records the same way).
+    ``seen``: the user keys of the files indexed before (:func:`_claim`)."""
     src = MetadataSource(path, columns, captions)
+    seen = {} if seen is None else seen
+    made = os.path.basename(path) + ":"  # a record without a key value: "<file>:<line>"
     out: list[SampleMeta] = []
     for member in src.keys():  # noqa: SIM118 - a source, not a dict
         key = member
         try:
             key = src.key(member)
+            line = src.line(member)
+            if "key" in src.columns and key.partition("#")[0] != f"{made}{line}":
+                _claim(seen, key, path, f"{path}:{line}", src.columns["key"])
             members = _read_for_index(src, member)
             out.append(sample_meta_from_members(key, path, member, members, tokenizer))
         except SampleError as exc:
@@ -206,9 +236,18 @@ def index_parquet(
     *,
     on_error: str = "raise",
     skipped: list[dict[str, str]] | None = None,
+    seen: Claimed | None = None,
 ) -> list[SampleMeta]:
-    """Records of every row of a Parquet table, its columns mapped by ``columns`` (module doc)."""
+    """Records of every row of a Parquet table, its columns mapped by ``columns`` (module doc).
+    ``seen``: the user keys of the tables indexed before (:func:`_claim`)."""
     cols = dict(columns or {})
+    seen = {} if seen is None else seen
+    unknown = sorted(set(cols) - set(PARQUET_ROLES))
+    if unknown:  # a misspelt role (audio_secs) would be stored and silently read as nothing
+        raise InvalidInput(
+            f"{path}: unknown role {unknown[0]!r} in the column mapping (roles: "
+            f"{', '.join(PARQUET_ROLES)})"
+        )
     try:
         pf = open_parquet(path)
     except Exception as exc:
@@ -220,7 +259,10 @@ def index_parquet(
         if name not in names:
             raise InvalidInput(f"{path}: column {name!r} (for {role!r}) not in the table")
     if "text" not in cols and "text_tokens" not in cols:
-        raise InvalidInput(f"{path}: map a 'text' or 'text_tokens' column (parquet_columns)")
+        raise InvalidInput(
+            f"{path}: no 'text' column; map one with --column text=COLUMN (or token counts "
+            "with --column text_tokens=COLUMN)"
+        )
     try:
         table = pf.read(columns=sorted(set(cols.values())))
     finally:
@@ -229,6 +271,8 @@ def index_parquet(
     out: list[SampleMeta] = []
     for row in range(table.num_rows):
         key = str(data["key"][row]) if "key" in data else f"{os.path.basename(path)}:{row}"
+        if "key" in data:
+            _claim(seen, key, path, f"{path} row {row}", cols["key"])
         try:
             blobs = row_members({c: data[r][row] for r, c in cols.items()}, cols)
             if "text_tokens" in data:
@@ -264,31 +308,35 @@ def index_parquet(
     return out
 
 
-def _unique_keys(records: list[SampleMeta]) -> list[SampleMeta]:
-    """WebDataset keys are unique per shard; when shards share keys, prefix ``<shard name>:``,
-    or, where shards in different folders share a name (``a/000.tar``, ``b/000.tar``), their
-    path below the folder common to all of them. Parquet rows without a key column are keyed
-    ``<table name>:<row>``, and take the same path where tables share a name
-    (``en/train-0.parquet``, ``de/train-0.parquet``: refused as duplicate keys before)."""
+def _unique_keys(
+    records: list[SampleMeta], fixed: set[tuple[str, str]] | frozenset = frozenset()
+) -> list[SampleMeta]:
+    """Keys unique across files (module doc). A shard's member keys repeated in another shard
+    take ``<shard name>:``, or the shard's path below the folder common to all of them where
+    names repeat too (``a/000.tar``, ``b/000.tar``). Keys the index made from a file's name
+    (``<table>:<row>``, ``<metadata file>:<line>``) take that path only where they repeat
+    (``en/train-0.parquet:3``, ``a/metadata.jsonl:1``), so a rebuild of any other index keeps
+    its keys (and data fingerprint). ``fixed``: (source, key) of user keys, never renamed."""
     keys = [r.key for r in records]
     if len(set(keys)) == len(keys):
         return records
     from dataclasses import replace
 
-    def made(r: SampleMeta) -> bool:  # a table row keyed by the table's name (no key column)
-        return not r.member and r.row >= 0 and r.key == f"{os.path.basename(r.source)}:{r.row}"
+    def made(r: SampleMeta) -> str | None:
+        """The row or line a key the index made from its file's name ends with, else None."""
+        base = os.path.basename(r.source) + ":"
+        if (r.source, r.key) in fixed or r.key == r.member or not r.key.startswith(base):
+            return None
+        return r.key[len(base) :]
 
-    # table rows take a path only where their own keys collide: the keys of every other index
-    # stay as the previous release made them (a rebuild keeps the data fingerprint)
-    rows_made = [r.key for r in records if made(r)]
-    rows_collide = len(set(rows_made)) < len(rows_made)
+    tails = [r.key for r in records if made(r) is not None]
+    made_collide = len(set(tails)) < len(tails)
 
     def own(r: SampleMeta) -> str | None:
-        """The part of its key a record keeps under a prefix: a shard's member key, or a table
-        row's number where table names collide."""
-        if r.member:
-            return r.member
-        return str(r.row) if rows_collide and made(r) else None
+        """The part of its key a record keeps under a prefix (None: no prefix)."""
+        if r.member and r.key == r.member and (r.source, r.key) not in fixed:
+            return r.member  # a shard's member key
+        return made(r) if made_collide else None
 
     def prefixed(name) -> list[SampleMeta]:
         return [
@@ -307,7 +355,7 @@ def _unique_keys(records: list[SampleMeta]) -> list[SampleMeta]:
             out = prefixed(lambda p: os.path.relpath(where(p), root))
         except ValueError:  # local paths beside URLs: no common folder
             out = prefixed(where)
-    log.info("sample keys repeat across shards: keys become '<shard>:<key>'")
+    log.info("sample keys repeat across files: keys take their file's name or path as prefix")
     return out
 
 
@@ -364,6 +412,7 @@ def build_index(
             "index Parquet tables and metadata files separately (each index stores one mapping)"
         )
     tok = as_tokenizer(tokenizer)
+    seen: Claimed = {}  # user keys, across every file
     records: list[SampleMeta] = []
     identities: dict[str, dict[str, int | str]] = {}
     meta_columns: dict[str, str] | None = None
@@ -384,6 +433,7 @@ def build_index(
                     captions=captions,
                     on_error=on_error,
                     skipped=skipped,
+                    seen=seen,
                 )
                 if meta_columns is not None and cols != meta_columns:
                     raise InvalidInput(
@@ -392,7 +442,9 @@ def build_index(
                     )
                 meta_columns = cols
             elif path.endswith(PARQUET_SUFFIXES):
-                recs = index_parquet(path, tok, parquet_columns, on_error=on_error, skipped=skipped)
+                recs = index_parquet(
+                    path, tok, parquet_columns, on_error=on_error, skipped=skipped, seen=seen
+                )
             else:
                 try:
                     recs = index_shard(path, tok, on_error=on_error, skipped=skipped)
@@ -412,7 +464,7 @@ def build_index(
     finally:
         if bar is not None:
             bar.close()
-    records = _unique_keys(records)
+    records = _unique_keys(records, {(src, k) for k, (src, _) in seen.items()})
     origin = files[0] if len(files) == 1 else f"{files[0]} (+{len(files) - 1} more)"
     column_map = dict(parquet_columns or {})
     if meta_columns is not None:
