@@ -112,5 +112,56 @@ def test_an_index_where_every_sample_was_skipped_is_refused(tmp_path):
     index = tmp_path / "index.parquet"
     p = run_index(str(shard), "-o", str(index), "--on-error", "skip", "-q")
     assert p.returncode == 2 and not index.exists()
-    assert "no sample could be indexed (3 skipped" in p.stderr
+    assert "no sample could be indexed: every one found was skipped (3; keys" in p.stderr
     assert len((tmp_path / "index.parquet.skipped.jsonl").read_text().splitlines()) == 3
+
+
+def test_inputs_without_samples_say_why_and_write_no_skipped_file(tmp_path):
+    """An empty shard or a folder of text files said "0 skipped; keys and errors in FILE" (an
+    empty file), and -q hid the one useful line (what the folder passed over)."""
+    import tarfile
+
+    tarfile.open(tmp_path / "empty.tar", "w").close()
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "a.txt").write_text("no picture")
+    (notes / "b.txt").write_text("none here either")
+    index = tmp_path / "index.parquet"
+    for given, why in (
+        ("empty.tar", "empty.tar (no samples in it)"),
+        ("notes", "notes (passed over 2 file group(s) without an image or audio file)"),
+    ):
+        p = run_index(str(tmp_path / given), "-o", str(index), "-q")
+        assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+        assert f"no sample found in 1 input: {tmp_path / why}" in p.stderr
+        assert "skipped" not in p.stderr
+    assert not index.exists() and not list(tmp_path.glob("*.skipped.jsonl"))
+
+
+def test_a_folder_of_shards_indexes_its_shards_as_a_glob_does(tmp_path, shared_data):
+    """It said "no sample could be indexed (0 skipped ...)": a folder was only loose files."""
+    from entrain_data.metadata import read_index
+
+    shards = tmp_path / "shards2"
+    shards.mkdir()
+    for name in ("compressed.tar", "testgz.tar"):
+        (shards / name).symlink_to(shared_data / "webdataset_testdata" / name)
+    (shards / "notes.json").write_text("{}")  # passed over, as beside shards under a prefix
+    p = run_index(str(shards), "-o", str(tmp_path / "a.parquet"), "-q")
+    assert p.returncode == 0, p.stderr
+    p = run_index(str(shards / "*.tar"), "-o", str(tmp_path / "b.parquet"), "-q")
+    assert p.returncode == 0, p.stderr
+    a, b = read_index(tmp_path / "a.parquet"), read_index(tmp_path / "b.parquet")
+    assert len(a) > 1000 and list(a.keys) == list(b.keys)
+    assert sorted({str(s) for s in a.sources}) == [
+        str(shards / "compressed.tar"),
+        str(shards / "testgz.tar"),
+    ]
+
+
+def test_a_folder_with_loose_media_beside_shards_stays_loose_files(tmp_path, shared_data):
+    from entrain_data.workers.index_builder import build_index
+
+    src = shared_data / "webdataset_testdata"
+    t = build_index(str(src), progress=False)
+    assert len(t) == 6 and all(str(s) == str(src) for s in t.sources)  # dlinputs/, not the tars

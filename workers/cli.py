@@ -70,12 +70,12 @@ def cmd_index(args: argparse.Namespace) -> int:
         )
     finally:  # main() called in a process that goes on (a notebook, a test) keeps its logging
         pkg.setLevel(level)
-    if len(table) == 0:  # every sample skipped: an empty index would only fail later
+    if len(table) == 0:  # every sample skipped (none found: build_index said so)
         where = Path(args.skipped or f"{args.output}.skipped.jsonl")
         where.write_text("".join(json.dumps(s) + "\n" for s in skipped))
         raise InvalidInput(
-            f"no sample could be indexed ({len(skipped)} skipped; keys and errors in {where}); "
-            f"{args.output} not written"
+            f"no sample could be indexed: every one found was skipped ({len(skipped)}; keys "
+            f"and errors in {where}); {args.output} not written"
         )
     write_index(table, args.output)
     if not args.quiet:

@@ -137,8 +137,10 @@ def index_shard(
     *,
     on_error: str = "raise",
     skipped: list[dict[str, str]] | None = None,
+    notes: dict[str, str] | None = None,
 ) -> list[SampleMeta]:
-    """Records of every sample of one tar shard or folder of loose files (WebDataset keys)."""
+    """Records of every sample of one tar shard or folder of loose files (WebDataset keys);
+    ``notes`` gets what a folder passed over, for the error when nothing is found."""
     out: list[SampleMeta] = []
     src: TarShard | DirectorySource = (
         DirectorySource(path)
@@ -148,11 +150,10 @@ def index_shard(
     try:
         keys = src.keys()
         if isinstance(src, DirectorySource) and src.passed_over:
-            log.warning(
-                "%s: passed over %d file group(s) without an image or audio file",
-                path,
-                src.passed_over,
-            )
+            note = f"passed over {src.passed_over} file group(s) without an image or audio file"
+            log.warning("%s: %s", path, note)
+            if notes is not None:
+                notes[path] = note
         for member in keys:
             try:
                 members = _read_for_index(src, member)
@@ -375,6 +376,14 @@ def _hint_metadata(folder: str, exc: SampleError) -> None:
         ) from exc
 
 
+def _nothing_found(files: Sequence[str], notes: Mapping[str, str]) -> InvalidInput:
+    """Inputs that hold no sample at all, said as such: an empty index only fails later."""
+    named = [f"{f} ({notes.get(f, 'no samples in it')})" for f in files[:3]]
+    more = f" and {len(files) - 3} more" if len(files) > 3 else ""
+    n = len(files)
+    return InvalidInput(f"no sample found in {n} input{'s' * (n > 1)}: {', '.join(named)}{more}")
+
+
 def _identity_before_reading(path: str) -> dict[str, int | str] | None:
     """``path``'s identity before its samples are read, so a file changed while it was indexed
     reads as changed later; None for a folder, or a file the probe cannot reach (reading it then
@@ -412,7 +421,10 @@ def build_index(
             "index Parquet tables and metadata files separately (each index stores one mapping)"
         )
     tok = as_tokenizer(tokenizer)
+    skipped = [] if skipped is None else skipped
+    skips_before = len(skipped)
     seen: Claimed = {}  # user keys, across every file
+    notes: dict[str, str] = {}  # what folders passed over
     records: list[SampleMeta] = []
     identities: dict[str, dict[str, int | str]] = {}
     meta_columns: dict[str, str] | None = None
@@ -447,15 +459,14 @@ def build_index(
                 )
             else:
                 try:
-                    recs = index_shard(path, tok, on_error=on_error, skipped=skipped)
+                    recs = index_shard(path, tok, on_error=on_error, skipped=skipped, notes=notes)
                 except SampleError as exc:
                     if on_error == "raise" and "no text member" in str(exc) and is_dir(path):
                         _hint_metadata(path, exc)
                     if on_error == "raise" or exc.key is not None:
                         raise
                     log.debug("index: skipping unreadable shard %s", exc)  # no key to name
-                    if skipped is not None:
-                        skipped.append({"key": "", "source": path, "error": str(exc)})
+                    skipped.append({"key": "", "source": path, "error": str(exc)})
                     recs = []
             records.extend(recs)
             if bar is not None:
@@ -464,6 +475,8 @@ def build_index(
     finally:
         if bar is not None:
             bar.close()
+    if not records and len(skipped) == skips_before:
+        raise _nothing_found(files, notes)
     records = _unique_keys(records, {(src, k) for k, (src, _) in seen.items()})
     origin = files[0] if len(files) == 1 else f"{files[0]} (+{len(files) - 1} more)"
     column_map = dict(parquet_columns or {})

@@ -10,8 +10,9 @@ then. A glob that matches only folders or prefixes (``data/part-*``) stands for 
 if named, the outermost only (a folder is read with what is under it). A folder or prefix is one source where an input names it, local folder and object-storage
 prefix (``s3://bucket/ds/``, or a key that is only a prefix) alike: read through the metadata
 file ``metadata`` names inside it (the CLI's ``--metadata``: one HEAD, no listing), else
-through its top-level ``metadata.jsonl`` / ``.csv`` / ``.parquet``, else as its loose files (a
-local folder) or the shards and tables under it (a prefix). A path named twice (however
+through its top-level ``metadata.jsonl`` / ``.csv`` / ``.parquet``, else as the shards and
+tables under it (a prefix, or a local folder without loose media files) or its loose files (a
+local folder, :func:`_local_shards`). A path named twice (however
 spelled: relative, absolute, through ``./``) is one input, at its first place.
 
 Object storage charges a round trip per request: what a listing returned is not asked about
@@ -222,7 +223,37 @@ def _folder(p: str, pat: str, metadata: str | None) -> list[str]:
     for name in METADATA_NAMES:
         if os.path.isfile(os.path.join(folder, name)):
             return [os.path.join(folder, name)]
-    return [folder]
+    return _local_shards(folder) or [folder]
+
+
+def _local_shards(folder: str) -> list[str]:
+    """The shards and tables under a local folder without loose media, sorted, as a prefix's
+    listing gives them (metadata files beside them passed over, as there); [] where the folder
+    holds loose media (read as its loose files: the walk stops at the first) or nothing to read."""
+    from .decode import member_kind
+    from .metadata_source import is_metadata_file
+    from .sources import split_member_name
+
+    found: list[str] = []
+    for top, dirs, names in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(n for n in names if not n.startswith(".")):
+            if member_kind(split_member_name(name)[1]) in ("image", "audio", "video"):
+                if found:
+                    log.warning(
+                        "%s: indexing its loose files, passing over the shards or tables "
+                        "beside them (%s); name those to index them",
+                        folder,
+                        _some(found),
+                    )
+                return []
+            if _a_source(name) and not is_metadata_file(name):
+                found.append(os.path.join(top, name))
+    if found:
+        log.info(
+            "%s: no loose media; indexing the %d shards and tables under it", folder, len(found)
+        )
+    return sorted(found)
 
 
 def _resolved(p: str, pat: str, kind: str | None | InvalidInput, metadata: str | None) -> list[str]:
