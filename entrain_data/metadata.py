@@ -16,6 +16,7 @@ with ragged item lists stored as offsets (the CSR layout Arrow uses), so a
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -450,8 +451,11 @@ class SampleTable:
 
 
 def write_index(table: SampleTable, path: str | Path) -> Path:
-    """Write ``table`` as a Parquet index (atomically: temp file, then rename)."""
+    """Write ``table`` as a Parquet index (atomically: temp file, then rename; the temp file
+    removed on any failure, so a failed write leaves nothing behind)."""
     path = Path(path)
+    if path.is_dir():  # the rename would fail after the whole write
+        raise InvalidInput(f"index {path}: is a folder, give a file path")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     where = str(path.parent.resolve())
@@ -460,8 +464,13 @@ def write_index(table: SampleTable, path: str | Path) -> Path:
         sources=sources_for_index(table.sources, where),
         source_identity=imeta.remap_identities(table.source_identity, sources_for_index, where),
     )
-    pq.write_table(table.to_arrow(), tmp, compression="zstd")
-    tmp.replace(path)
+    try:
+        pq.write_table(table.to_arrow(), tmp, compression="zstd")
+        tmp.replace(path)
+    except BaseException:  # a full disk, Ctrl-C, a folder made meanwhile
+        with contextlib.suppress(OSError):  # the first error is the one to say
+            tmp.unlink(missing_ok=True)
+        raise
     return path
 
 

@@ -9,6 +9,7 @@ import argparse
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from test_index_builder import BAD, write_shard
@@ -165,3 +166,35 @@ def test_a_folder_with_loose_media_beside_shards_stays_loose_files(tmp_path, sha
     src = shared_data / "webdataset_testdata"
     t = build_index(str(src), progress=False)
     assert len(t) == 6 and all(str(s) == str(src) for s in t.sources)  # dlinputs/, not the tars
+
+
+def test_output_that_is_a_folder_is_refused_before_indexing(tmp_path):
+    """It crashed after the work (IsADirectoryError 'sub.tmp' -> 'sub') and left sub.tmp."""
+    (tmp_path / "sub").mkdir()
+    p = run_index(str(tmp_path / "nothing-here.tar"), "-o", str(tmp_path / "sub"), "-q")
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert (
+        p.stderr
+        == f"entrain-data: error: index {tmp_path / 'sub'}: is a folder, give a file path\n"
+    )
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["sub"]
+
+
+def test_a_failed_index_write_leaves_no_temp_file(tmp_path, monkeypatch):
+    from entrain_data.workers.index_builder import build_index
+
+    from entrain_data import metadata
+
+    shard = write_shard(tmp_path / "s.tar", {"good": BAD["good"]})
+    table = build_index(str(shard), progress=False)
+
+    def full_disk(table, where, **kw):
+        Path(where).write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(metadata.pq, "write_table", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        metadata.write_index(table, tmp_path / "i.parquet")
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["s.tar"]
+    with pytest.raises(metadata.InvalidInput, match="is a folder"):
+        metadata.write_index(table, tmp_path)

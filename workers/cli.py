@@ -40,9 +40,14 @@ def format_stats(stats: dict[str, Any]) -> str:
 
 
 def cmd_index(args: argparse.Namespace) -> int:
+    from entrain_data.cli_models import output_path, write_output
     from entrain_data.metadata import write_index
 
     from .index_builder import build_index
+
+    out = output_path(args.output, "index")  # before the work: a typo costs one line, not hours
+    if args.skipped:
+        output_path(args.skipped, "--skipped")
 
     columns = None
     if args.columns:
@@ -77,7 +82,7 @@ def cmd_index(args: argparse.Namespace) -> int:
             f"no sample could be indexed: every one found was skipped ({len(skipped)}; keys "
             f"and errors in {where}); {args.output} not written"
         )
-    write_index(table, args.output)
+    write_output(out, "index", lambda path: write_index(table, path))
     if not args.quiet:
         print(
             f"wrote {args.output}: {len(table)} samples, {int(table.image_counts.sum())} images, "
