@@ -30,6 +30,25 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def _seed(text: str) -> int:
+    """An argparse type: a seed >= 0 (numpy refuses a negative one with a traceback)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {v}")
+    return v
+
+
+def _checked_seeds(sub: argparse._SubParsersAction) -> None:
+    """Every command's ``--seed`` (plugins' too) parsed by :func:`_seed`: one rule for all."""
+    for command in sub.choices.values():
+        for action in command._actions:
+            if action.dest == "seed" and action.type is int:
+                action.type = _seed
+
+
 def _core_registrars() -> list[Callable[[argparse._SubParsersAction], None]]:
     from . import cli_models, cli_plan
 
@@ -59,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
             logging.getLogger(__name__).debug("command plugin %r not loaded: %s", ep.name, exc)
             continue
         register(sub)
+    _checked_seeds(sub)
     return parser
 
 

@@ -152,3 +152,36 @@ def test_plan_refuses_infinite_cluster_numbers_and_negative_delay(
     argv = ["plan", str(index), *MODEL, "--gpus", "8", "--global-batch", "16", "--batches", "1"]
     _one_line_exit_2([*argv, *extra, "-o", str(tmp_path / "p.json")], capsys, needle)
     assert not (tmp_path / "p.json").exists()
+
+
+def _commands_with(dest: str) -> list[str]:
+    """Every installed command with an option of this dest (plugins' too)."""
+    sub = build_parser()._subparsers._group_actions[0]
+    return sorted(n for n, p in sub.choices.items() if any(a.dest == dest for a in p._actions))
+
+
+def test_every_seed_option_is_found():  # the parametrisation below is not empty by accident
+    assert {"plan", "profile", "synth"} <= set(_commands_with("seed"))
+
+
+@pytest.mark.parametrize("command", _commands_with("seed"))
+def test_a_negative_seed_is_one_line_and_exit_2_in_every_command(command, capsys):
+    """plan and profile crashed with numpy's traceback (rc 1); serve accepted it."""
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--seed", "-1"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"entrain-data {command}: error: argument --seed: must be an integer >= 0, got -1"
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "soon"])
+def test_serve_refuses_a_stats_interval_that_is_not_seconds(value, capsys):
+    if "serve" not in _commands_with("stats_interval"):
+        pytest.skip("the serve command is not installed")
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--index", "i", "--plan", "p", "--stats-interval", value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err.startswith("entrain-data serve: error: argument --stats-interval: ") and "\n" not in err
+    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import shlex
 import sys
 import time
@@ -93,6 +94,17 @@ def cmd_index(args: argparse.Namespace) -> int:
         where.write_text("".join(json.dumps(s) + "\n" for s in skipped))
         print(f"skipped {len(skipped)} sample(s); keys and errors in {where}", file=sys.stderr)
     return 0
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds >= 0 (``nan`` compares false to any bound)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return v
 
 
 def _curve_keys(args: argparse.Namespace) -> tuple[bytes | None, bytes | None]:
@@ -323,7 +335,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     p.add_argument(
         "--stats-interval",
-        type=float,
+        type=_seconds,
         default=10.0,
         metavar="SECONDS",
         help="print counters this often (0: only at the end)",
