@@ -6,10 +6,13 @@ import os
 import signal
 import socket
 import time
+from dataclasses import dataclass
 
 import msgpack
+import numpy as np
 import pytest
 import zmq
+from entrain_data.workers.sample_source import Packed
 from test_service import (
     assert_exactly_once,
     close_all,
@@ -21,7 +24,7 @@ from test_service import (
 
 from entrain_data import protocol
 from entrain_data.client import EntrainLoader
-from entrain_data.errors import EntrainTimeout
+from entrain_data.errors import EntrainTimeout, ProtocolError
 from entrain_data.metadata import read_index
 
 pytestmark = pytest.mark.timeout(120)
@@ -210,3 +213,39 @@ def test_script_without_main_guard_fails_clearly_and_leaves_no_ipc_dir(tmp_path,
     assert proc.returncode != 0
     assert "__main__" in proc.stderr  # multiprocessing's own explanation reaches the user
     assert list(tmp.glob("entrain-*")) == []
+
+
+@dataclass(frozen=True)
+class _StringsPacker:
+    """A user's packer that returns a tensor of strings (text not turned into ids)."""
+
+    def __call__(self):
+        return self._pack
+
+    @staticmethod
+    def _pack(encoder_rows, llm_rows) -> Packed:
+        keys = [str(r) for r in llm_rows]
+        tensors = {"input_ids": np.zeros(4, np.int64), "text": np.array(keys)}
+        return Packed([str(r) for r in encoder_rows], keys, tensors)
+
+
+def test_a_packer_tensor_the_wire_cannot_carry_stops_the_service_by_name(tmp_path, dataset):
+    """It raised in the worker outside the task's handler: the worker died three times and the
+    ranks were told of a sample that crashes the decoder or one larger than memory."""
+    from entrain_data.workers.sample_source import CustomSource
+    from entrain_data.workers.service import start_service
+    from test_service import IndexKeys, TextCosts
+
+    index = str(dataset)
+    source = CustomSource(_StringsPacker(), TextCosts(index), IndexKeys(index))
+    svc = start_service(
+        plan=make_plan(), source=source, socket_dir=str(tmp_path / "entrain-sock"), workers=1
+    )
+    try:
+        with pytest.raises(ProtocolError, match="tensor 'text': dtype <U.* not allowed"):
+            run_ranks(svc.endpoint, [0, 1])
+        svc.wait(30)
+        assert isinstance(svc.failure(), ProtocolError)
+        assert "WorkerDied" not in repr(svc.failure())
+    finally:
+        svc.close()

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import zmq
 
 from entrain_data import protocol
@@ -34,6 +35,7 @@ from entrain_data.encoder_calls import ENCODER_CALLS_KEY
 from entrain_data.errors import (
     EntrainError,
     InvalidInput,
+    ProtocolError,
     WorkerDied,
     error_fields,
     error_from_fields,
@@ -249,6 +251,12 @@ def _run_task(packer: Packer, task: dict[str, Any], out: Deliverer | None) -> li
     dests = task.get("deliver") or []
     reached: list[int] = []
     sent = shared_bytes = 0
+    try:  # a packer's tensor the wire cannot carry is that task's error, not this worker's death
+        for name, value in packed.tensors.items():
+            protocol.check_dtype(name, np.asarray(value).dtype)
+    except ProtocolError as exc:
+        log.error("task %s: %s", ident, exc)
+        return protocol.encode("failed", {**ident, **error_fields(exc)})
     if out is not None and dests:
         shared = task.get("shared")
         shared = shared if isinstance(shared, str) else None
