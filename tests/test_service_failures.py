@@ -149,7 +149,9 @@ def test_skips_over_the_budget_stop_the_service_with_a_clear_error(tmp_path):
     record = tmp_path / "skipped.jsonl"
     svc = start(tmp_path, index, make_plan(), on_error="skip", skipped_path=str(record))
     try:  # default budget: 1% of 48 samples = 0
-        with pytest.raises(SampleError, match=r"over the error budget max_skipped=1%"):
+        with pytest.raises(
+            SampleError, match=r"over the error budget max_skipped=1%.*the first: s[01]-00(03|10): "
+        ):  # why, not only how many
             run_ranks(svc.endpoint, [0, 1], timeout=30)
         assert svc.wait(15) != 0
     finally:

@@ -76,6 +76,7 @@ class SkipRecord:
         self._keys_fn = keys
         self._keys: list[str] | None = None
         self.skipped: set[str] = set()
+        self.first: str | None = None  # the first skip's key and reason, for the budget's error
         self.left_out = 0
         self._opened = False
 
@@ -97,6 +98,8 @@ class SkipRecord:
         new = [e for e in entries if e.get("key") not in self.skipped]
         for e in new:
             self.skipped.add(str(e.get("key")))
+            if self.first is None:
+                self.first = f"{e.get('key')}: {e.get('error')}"
             log.warning(
                 "skipped sample %s in %s: %s", e.get("key"), e.get("source"), e.get("error")
             )
@@ -142,6 +145,7 @@ class SkipRecord:
         share = 100.0 * len(self.skipped) / max(self.samples, 1)
         where = f"; every one is listed in {self.path}" if self.path else ""
         return SampleError(
-            f"{len(self.skipped)} of {self.samples} samples ({share:.1f}%) could not be decoded, "
-            f"over the error budget max_skipped={self.budget.text}{where}"
+            f"{len(self.skipped)} of {self.samples} samples ({share:.1f}%) could not be read, "
+            f"decoded or checked, over the error budget max_skipped={self.budget.text}{where}; "
+            f"the first: {self.first}"
         )
