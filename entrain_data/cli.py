@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
@@ -47,6 +48,29 @@ def _checked_seeds(sub: argparse._SubParsersAction) -> None:
         for action in command._actions:
             if action.dest == "seed" and action.type is int:
                 action.type = _seed
+
+
+_ALSO_NAMED = {"gpus": ("world_size",)}
+"""Library names of a flag's value other than its dest (``Cluster(world_size)`` is ``--gpus``)."""
+
+
+def _as_flags(message: str, command: argparse.ArgumentParser | None) -> str:
+    """A library error said in the command's flags: ``global_batch`` -> ``--global-batch``
+    (a parameter name with ``_`` anywhere outside quotes and paths; a one-word one only where
+    the message starts with it, ``dp must be ...``, ``tp=3 must ...``)."""
+    if command is None:
+        return message
+    for action in command._actions:
+        flag = next((o for o in action.option_strings if o.startswith("--")), None)
+        if flag is None or flag == "--help":
+            continue
+        for dest in (action.dest, *_ALSO_NAMED.get(action.dest, ())):
+            name = re.escape(dest)
+            if "_" in dest:
+                message = re.sub(rf"(?<![\w./'\"-]){name}(?![\w./'\"-])", flag, message)
+            else:
+                message = re.sub(rf"^{name}(?= must\b|=)", flag, message)
+    return message
 
 
 def _core_registrars() -> list[Callable[[argparse._SubParsersAction], None]]:
@@ -94,7 +118,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(handler(args) or 0)
     except EntrainError as exc:
-        print(f"entrain-data: error: {exc}", file=sys.stderr)
+        sub = parser._subparsers._group_actions[0] if parser._subparsers else None
+        command = sub.choices.get(args.command) if sub is not None else None
+        print(f"entrain-data: error: {_as_flags(str(exc), command)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("entrain-data: interrupted", file=sys.stderr)

@@ -70,7 +70,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """Plan, print and save."""
     out = output_path(args.output, "plan")
     if args.max_delay < 0:  # before the search, not after it
-        raise InvalidInput(f"--max-delay (max_delay) must be >= 0, got {args.max_delay}")
+        raise InvalidInput(f"--max-delay must be >= 0, got {args.max_delay}")
     table = read_index(args.index)
     spec = model_spec_from_args(args)
     cal = calibration_from_args(args)

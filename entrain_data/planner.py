@@ -56,7 +56,9 @@ from .simulator import (
     SCHEDULES,
 )
 from .token_caps import (
+    cap_rule,
     check_token_cap,
+    count_floor,
     heavy_batches,
     pinned_cap_error,
 )
@@ -179,7 +181,7 @@ def make_plan(
         _order(tok[idx], tok_order),
         _order(patches[idx], pt_order),
     )
-    cands, smallest_need, cap_short = _candidates(
+    cands, (smallest_need, least_at), cap_short = _candidates(
         ctx,
         layer_units(model, costs, idx),
         dp,
@@ -200,16 +202,23 @@ def make_plan(
                 "microbatch needs at least one sample; lower microbatches or raise the batch"
             )
         if smallest_need is math.inf:
+            pins = "".join(  # only those given: "dp=None" says nothing
+                f", {k}={v}"
+                for k, v in (("dp", dp), ("tp", tp), ("pp", pp), ("microbatches", microbatches))
+                if v is not None
+            )
             raise PlanError(
-                f"no layout of {cluster.world_size} GPUs meets the constraints (dp={dp}, tp={tp}, "
-                f"pp={pp}, microbatches={microbatches}, global batch {global_batch}): "
+                f"no layout of {cluster.world_size} GPUs meets the constraints (global batch "
+                f"{global_batch}{pins}): "
                 "dp must divide the global batch, tp*pp*dp equal the GPU count, and the global "
                 "batch hold at least dp * microbatches samples"
             )
+        long = "" if max_tokens else _long_samples(ctx, table.keys, tok, *least_at)
         raise PlanError(
             f"model {model.name or model.llm.name!r} fits no layout of {cluster.world_size} GPUs: "
             f"the smallest needs {smallest_need:.1f} GB per GPU, "
             f"{MEMORY_HEADROOM * cluster.gpu_memory_gb:.1f} GB usable of {cluster.gpu_memory_gb:g} GB"
+            f"{long}"
         )
     chosen = to_simulate(cands, simulate_top)
     chosen, sims, means_fb = simulate(ctx, chosen, costs, idx, seed, schedule)
@@ -356,12 +365,31 @@ def _tp_split_error(model: ModelSpec, tp: int) -> str | None:
     return None
 
 
+def _long_samples(ctx: PlanContext, keys, tok: np.ndarray, dp: int, m: int, most: int = 3) -> str:
+    """The samples that set a derived token cap, named where they do (longer than twice the
+    cap the batches alone ask for at ``dp`` x ``m``): one very long text makes every
+    microbatch's memory look like a model too big for the GPUs."""
+    heavy = max(int(ctx.tokens_b.sum(axis=1).max()), ctx.heavy_batch)
+    rest = cap_rule(heavy, 0, dp, m, count_floor(ctx.token_order, dp * m))
+    long = np.flatnonzero(tok > 2 * rest)
+    if not len(long):
+        return ""
+    top = long[np.argsort(-tok[long], kind="stable")][:most]
+    named = ", ".join(f"{keys[i]} ({int(tok[i])} tokens)" for i in top)
+    more = f" and {len(long) - most} more" if len(long) > most else ""
+    return (
+        f"; its token cap of {caps(ctx, dp, m)[0]} LLM tokens per microbatch is set by the "
+        f"longest samples: {named}{more}; pin a smaller cap with max_tokens (it names the "
+        "samples it cannot hold) or drop them from the index"
+    )
+
+
 def _candidates(
     ctx: PlanContext, units, dp, tp, pp, microbatches, schedule, shardings, recompute, costs
-) -> tuple[list[Candidate], float, tuple[int, int, int] | None]:
+) -> tuple[list[Candidate], tuple[float, tuple[int, int]], tuple[int, int, int] | None]:
     """Every layout meeting the pins whose memory fits, with its analytic time; the least
-    memory any layout needs; (tokens, dp, microbatches) of the layout a pinned cap falls
-    least short of, None when the cap ruled out none."""
+    memory any layout needs and that layout's (dp, microbatches); (tokens, dp, microbatches)
+    of the layout a pinned cap falls least short of, None when the cap ruled out none."""
     model, cluster, world = ctx.model, ctx.cluster, ctx.cluster.world_size
     gb = ctx.global_batch
     tps = [
@@ -383,7 +411,7 @@ def _candidates(
         raise PlanError(f"pp={pp} exceeds the model's {len(units)} layers")
     n_enc_layers = sum(x.layers for x in model.encoders)
     cands: list[Candidate] = []
-    smallest_need = math.inf
+    smallest_need, least_at = math.inf, (1, 1)
     cap_short: tuple[int, int, int] | None = None
     limit = MEMORY_HEADROOM * cluster.gpu_memory_gb
     stage_cache: dict[tuple[int, int], tuple[StagePlan, ...] | None] = {}
@@ -423,7 +451,8 @@ def _candidates(
                         rc = _recomputed(recompute, tuple(x > limit for x in mem))
                         if any(rc):
                             mem = memory_gb(*args, rc, params, schedule, sh)
-                        smallest_need = min(smallest_need, max(mem))
+                        if max(mem) < smallest_need:
+                            smallest_need, least_at = max(mem), (d, mm)
                         if max(mem) > limit:
                             continue
                         at = _analytic(
@@ -432,4 +461,4 @@ def _candidates(
                         cands.append(Candidate(t, p, d, mm, stages, mem, at, rc, k, sh))
     # equal times: the distributed optimizer (what plans assumed before), then less memory
     cands.sort(key=lambda c: (c.analytic_time, c.sharding != "optimizer", max(c.memory_gb)))
-    return cands, smallest_need, cap_short
+    return cands, (smallest_need, least_at), cap_short

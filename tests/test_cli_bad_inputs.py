@@ -141,8 +141,8 @@ def test_serve_with_a_malformed_plan_is_one_line_and_exit_2(index, tmp_path, cap
 @pytest.mark.parametrize(
     ("extra", "needle"),
     [
-        (["--gpu-memory-gb", "inf"], "gpu_memory_gb"),
-        (["--inter-node-gbps", "nan"], "inter_node_gbps"),
+        (["--gpu-memory-gb", "inf"], "--gpu-memory-gb"),
+        (["--inter-node-gbps", "nan"], "--inter-node-gbps"),
         (["--max-delay", "-1"], "--max-delay"),
     ],
 )

@@ -53,11 +53,14 @@ def test_pins_and_frozen_encoder(index, tmp_path):
 @pytest.mark.parametrize(
     ("extra", "needle"),
     [
-        (["--gpus", "0"], "world_size"),
         (["--gpus", "16", "--tp", "3"], "tp=3"),
         (["--gpus", "8", "--gpu-memory-gb", "2"], "fits no layout"),
         (["--gpus", "16", "--llm", "no-such-model"], "no-such-model"),
-        (["--gpus", "16", "--global-batch", "100000"], "global_batch"),
+        (["--gpus", "16", "--global-batch", "100000"], "--global-batch 100000 exceeds"),
+        (["--gpus", "0"], "--gpus must be"),
+        (["--gpus", "16", "--dp", "0"], "--dp must be a positive integer"),
+        (["--gpus", "16", "--max-tokens", "0"], "--max-tokens must be"),
+        (["--gpus", "16", "--microbatches", "999"], "(global batch 64, microbatches=999)"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(index, tmp_path, capsys, extra, needle):

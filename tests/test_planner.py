@@ -167,6 +167,33 @@ def test_model_that_fits_no_layout_says_how_much_memory(table):
     assert max(p.memory_gb) <= 0.9 * 80
 
 
+def test_one_very_long_sample_is_named_where_it_sets_the_token_cap():
+    """It said only "fits no layout ... the smallest needs 147.8 GB", which reads as a model too
+    big; a pinned cap named the sample (k7), the derived one did not."""
+    from entrain_data.metadata import SampleMeta, SampleTable
+
+    recs = [SampleMeta(f"k{i}", "t.parquet", 60, row=i) for i in range(64)]
+    recs[7] = SampleMeta("k7", "t.parquet", 200_000, row=7)
+    long = SampleTable.from_records(recs, origin="t.parquet")
+    llm = ModelSpec.from_names([], "llama-3.2-1b")
+    with pytest.raises(PlanError, match=r"fits no layout of 2 GPUs") as exc:
+        make_plan(long, llm, Cluster(2), 8, batches=2)
+    msg = str(exc.value)
+    assert "longest samples: k7 (200000 tokens); pin a smaller cap with max_tokens" in msg
+    assert "k6" not in msg
+    # a model too big for any cap names no sample: the samples are not the cause
+    big = ModelSpec.from_names(["siglip-so400m", "whisper-large-v3-encoder"], "llama-3.1-70b")
+    with pytest.raises(PlanError, match="fits no layout") as exc:
+        make_plan(
+            synthesize("vision-audio", 800, seed=0),
+            big,
+            Cluster(8, gpu_memory_gb=40),
+            64,
+            batches=2,
+        )
+    assert "longest samples" not in str(exc.value)
+
+
 def test_frozen_encoder_needs_less_memory_and_time(table, spec):
     pins = {"dp": 4, "tp": 1, "pp": 4, "microbatches": 8}
     live = make_plan(table, spec, Cluster(16), 64, batches=2, **pins)
