@@ -110,13 +110,13 @@ def test_shard_rewritten_with_another_size_is_refused(indexed):
 def test_a_source_is_checked_once_when_opened_not_per_sample(indexed, monkeypatch):
     shard, index = indexed
     calls: list[str] = []
-    real = sources.changed_since_indexing
+    real = sources.vouch
 
     def counted(path, recorded):
         calls.append(path)
         return real(path, recorded)
 
-    monkeypatch.setattr(sources, "changed_since_indexing", counted)
+    monkeypatch.setattr(sources, "vouch", counted)
     packer = make_packer(str(index), on_error="skip")
     assert packer([0], [0, 1]).llm_keys == ["a", "b"]
     assert packer([], [2]).llm_keys == ["c"] and calls == [str(shard)]
@@ -286,3 +286,28 @@ def test_what_a_fingerprint_decides():
     assert identity_change(recorded, {"size": 6, "mtime_ns": 2, "head_tail": "h"}) == (
         "size 5 -> 6, mtime_ns 1 -> 2, head_tail h unchanged"
     )
+
+
+def test_a_copy_reopened_after_eviction_is_not_read_again(tmp_path, monkeypatch):
+    """A copy accepted by its fingerprint was read again (128 KiB) every time the open-file cache
+    evicted and reopened it: with more shards than ``max_open``, once per sample."""
+    (tmp_path / "data").mkdir()
+    shards = [write_shard(tmp_path / "data" / f"s{i}.tar", CAPTIONS) for i in range(2)]
+    index = write_index(
+        build_index([str(p) for p in shards], progress=False), tmp_path / "out" / "index.parquet"
+    )
+    for shard in shards:  # copied without its mtime
+        t = os.stat(shard).st_mtime_ns + 10**9
+        os.utime(shard, ns=(t, t))
+    reads: list[str] = []
+    real = source_identity.content_fingerprint
+
+    def counted(path, size):
+        reads.append(path)
+        return real(path, size)
+
+    monkeypatch.setattr(source_identity, "content_fingerprint", counted)
+    packer = make_packer(str(index), max_open=1)  # every other sample evicts the other shard
+    for _ in range(3):
+        assert len(packer([], [0, 3, 1, 4]).llm_keys) == 4
+    assert sorted(reads) == sorted(str(p) for p in shards)  # each read once

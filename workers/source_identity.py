@@ -37,6 +37,7 @@ __all__ = [
     "content_fingerprint",
     "identity_change",
     "changed_since_indexing",
+    "vouch",
 ]
 
 FINGERPRINT = "head_tail"
@@ -128,7 +129,14 @@ def _unreachable(path: str, exc: OSError) -> SampleError | None:
 
 def changed_since_indexing(path: str, recorded: Mapping[str, Any]) -> str | None:
     """Why ``path`` is not the file indexed as ``recorded`` (the message of the SampleError its
-    samples get), or None when it still is.
+    samples get), or None when it still is (see :func:`vouch`)."""
+    return vouch(path, recorded)[0]
+
+
+def vouch(path: str, recorded: Mapping[str, Any]) -> tuple[str | None, Mapping[str, Any]]:
+    """(why ``path`` is not the file indexed as ``recorded``, or None; the identity to compare
+    it with next time): a copy accepted by its fingerprint is ``recorded`` with the copy's
+    mtime, so the next open of it is one stat again, not another 128 KiB read.
 
     Reads the file only when its size matches but its mtime does not and a fingerprint was
     recorded. A missing file is None too: the opener's error already says so. A probe that fails
@@ -146,17 +154,19 @@ def changed_since_indexing(path: str, recorded: Mapping[str, Any]) -> str | None
         ):
             now[FINGERPRINT] = content_fingerprint(path, int(now["size"]))
             change = identity_change(recorded, now)
+            if change is None:  # the same bytes under another mtime: that mtime vouches now
+                return None, {**recorded, "mtime_ns": now["mtime_ns"]}
     except OSError as exc:
         err = _unreachable(path, exc)
         if err is None:
-            return None
+            return None, recorded
         raise err from exc
     if change is None:
-        return None
+        return None, recorded
     hint = ""
     if recorded.get("size") == now.get("size") and "mtime_ns" in now and FINGERPRINT not in now:
         hint = (
             " (a copy that did not keep modification times reads as changed too in an index"
             " from before content fingerprints; re-indexing records them)"
         )
-    return f"{path}: changed since it was indexed ({change}): re-index{hint}"
+    return f"{path}: changed since it was indexed ({change}): re-index{hint}", recorded

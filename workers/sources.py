@@ -45,7 +45,7 @@ from entrain_data.errors import InvalidInput, SampleError
 from . import storage
 from .parquet_source import ParquetSource, row_members
 from .path_patterns import expand_braces, expand_paths
-from .source_identity import changed_since_indexing
+from .source_identity import vouch
 
 __all__ = [
     "Source",
@@ -418,7 +418,7 @@ class SourceCache:
         if recorded is None:  # an index from before identities, or a folder: nothing to compare
             return
         if path not in self._changed:
-            why = changed_since_indexing(path, recorded)
+            why, self._identities[path] = vouch(path, recorded)
             if why is None:
                 return
             self._changed[path] = why
