@@ -55,8 +55,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# what flock raises on a filesystem that has none (Lustre without -o flock, some NFS setups)
-_NO_FLOCK = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL})
+# what flock raises on a filesystem that has none (Lustre without -o flock: ENOSYS; some NFS)
+_NO_FLOCK = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS})
 _NEW = ".new-"  # put before the prefix of a directory being made: not yet locked
 # a directory still being made, or left empty without its lock file, this long after it was
 # last touched was left by a killed maker or remover: making or removing one takes a

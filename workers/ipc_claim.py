@@ -9,7 +9,9 @@ beside the socket (``PATH.lock``) before it binds and keeps it until its sockets
 second service is refused (:class:`AddressInUse`) whatever the timing, and a stop unlinks the
 socket file only while it still holds the claim, never a successor's.
 
-On a filesystem without ``flock`` nothing is claimed and the probe alone guards, as before.
+On a filesystem without ``flock``, or a folder where no lock file can be made (read-only,
+the socket made by someone else), nothing is claimed and the probe alone guards, as before:
+the bind then says what is wrong with the path.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from entrain_data.errors import AddressInUse
 
 __all__ = ["claim", "release", "remove_unclaimed"]
 
-_NO_FLOCK = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL})
+# what flock raises where it has none (Lustre mounted -o noflock says ENOSYS)
+_NO_FLOCK = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS})
 _TRIES = 3  # a lock file unlinked by a stopping owner between our open and lock: open again
 
 
@@ -39,7 +42,10 @@ def claim(ep: str) -> int | None:
         return None
     lock = path + ".lock"
     for _ in range(_TRIES):
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:  # no lock file can be made here (read-only, no folder): the bind will
+            return None  # say what is wrong with the path
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -49,7 +55,9 @@ def claim(ep: str) -> int | None:
             ) from None
         except OSError as exc:
             os.close(fd)
-            if exc.errno in _NO_FLOCK:
+            if exc.errno in _NO_FLOCK:  # nobody can hold it here: it guards nothing, remove it
+                with contextlib.suppress(OSError):
+                    os.unlink(lock)
                 return None
             raise
         try:  # the file locked must still be the one at the path (not one its owner unlinked)
@@ -68,11 +76,15 @@ def release(ep: str, fd: int | None) -> None:
     if path is None:
         return
     names = [path] if fd is None else [path, path + ".lock"]
-    for name in names:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(name)
-    if fd is not None:
-        os.close(fd)
+    try:
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name)
+    except OSError:  # not ours to remove (a read-only folder): a stop never raises for it
+        pass
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def remove_unclaimed(ep: str) -> None:
@@ -83,6 +95,6 @@ def remove_unclaimed(ep: str) -> None:
         return  # nothing left (or its folder is gone already)
     try:
         fd = claim(ep)
-    except (AddressInUse, FileNotFoundError):
+    except AddressInUse:  # a live service's now
         return
     release(ep, fd)
