@@ -83,8 +83,8 @@ def test_slower_network_makes_sharded_plans_slower(table):
 @pytest.mark.parametrize(
     ("extra", "needle"),
     [
-        (["--inter-node-gbps", "0"], "inter_node_gbps"),
-        (["--intra-node-gbps", "-1"], "intra_node_gbps"),
+        (["--inter-node-gbps", "0"], "--inter-node-gbps"),  # the flag, not the Python name
+        (["--intra-node-gbps", "-1"], "--intra-node-gbps"),
     ],
 )
 def test_bad_bandwidth_is_one_line_and_exit_2(index, tmp_path, capsys, extra, needle):

@@ -166,7 +166,7 @@ def test_cli_plan_max_tokens(tmp_path):
             "-o", str(tmp_path / "plan.json")]  # fmt: skip
     bad = subprocess.run([*base, "--max-tokens", "10"], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
-    assert "max_tokens 10" in bad.stderr and "Traceback" not in bad.stderr
+    assert "--max-tokens 10" in bad.stderr and "Traceback" not in bad.stderr
     ok = subprocess.run([*base, "--max-tokens", "60000"], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     assert "token cap    60000" in ok.stdout
@@ -203,4 +203,4 @@ def test_cli_plan_max_delay(tmp_path):
     assert ok.returncode == 0, ok.stderr
     assert ParallelPlan.load(out).max_delay == 2 and "wait up to 2 iteration" in ok.stdout
     bad = subprocess.run([*base, "--max-delay", "-1"], capture_output=True, text=True)
-    assert bad.returncode == 2 and "max_delay" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode == 2 and "--max-delay" in bad.stderr and "Traceback" not in bad.stderr
