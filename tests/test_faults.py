@@ -216,20 +216,35 @@ def test_script_without_main_guard_fails_clearly_and_leaves_no_ipc_dir(tmp_path,
 
 
 @dataclass(frozen=True)
-class _StringsPacker:
-    """A user's packer that returns a tensor of strings (text not turned into ids)."""
+class _OddPacker:
+    """A user's packer that returns a tensor of strings (text not turned into ids), or a torch
+    bfloat16 tensor (numpy has no such dtype)."""
+
+    kind: str = "str"
 
     def __call__(self):
-        return self._pack
+        return self._pack_str if self.kind == "str" else self._pack_bf16
 
     @staticmethod
-    def _pack(encoder_rows, llm_rows) -> Packed:
+    def _pack_str(encoder_rows, llm_rows) -> Packed:
         keys = [str(r) for r in llm_rows]
         tensors = {"input_ids": np.zeros(4, np.int64), "text": np.array(keys)}
         return Packed([str(r) for r in encoder_rows], keys, tensors)
 
+    @staticmethod
+    def _pack_bf16(encoder_rows, llm_rows) -> Packed:
+        import torch
 
-def test_a_packer_tensor_the_wire_cannot_carry_stops_the_service_by_name(tmp_path, dataset):
+        tensors = {"input_ids": np.zeros(4, np.int64), "text": torch.zeros(4).bfloat16()}
+        return Packed([str(r) for r in encoder_rows], [str(r) for r in llm_rows], tensors)
+
+
+@pytest.mark.parametrize(
+    ("kind", "said"), [("str", "dtype <U.* not allowed"), ("bf16", "torch.bfloat16 is not allowed")]
+)
+def test_a_packer_tensor_the_wire_cannot_carry_stops_the_service_by_name(
+    tmp_path, dataset, kind, said
+):
     """It raised in the worker outside the task's handler: the worker died three times and the
     ranks were told of a sample that crashes the decoder or one larger than memory."""
     from entrain_data.workers.sample_source import CustomSource
@@ -237,12 +252,12 @@ def test_a_packer_tensor_the_wire_cannot_carry_stops_the_service_by_name(tmp_pat
     from test_service import IndexKeys, TextCosts
 
     index = str(dataset)
-    source = CustomSource(_StringsPacker(), TextCosts(index), IndexKeys(index))
+    source = CustomSource(_OddPacker(kind), TextCosts(index), IndexKeys(index))
     svc = start_service(
         plan=make_plan(), source=source, socket_dir=str(tmp_path / "entrain-sock"), workers=1
     )
     try:
-        with pytest.raises(ProtocolError, match="tensor 'text': dtype <U.* not allowed"):
+        with pytest.raises(ProtocolError, match=f"tensor 'text': {said}"):
             run_ranks(svc.endpoint, [0, 1])
         svc.wait(30)
         assert isinstance(svc.failure(), ProtocolError)

@@ -85,7 +85,9 @@ def test_wrap_refuses_every_field_of_dataset_0_the_wire_cannot_carry(tmp_path):
     from PIL import Image
 
     bad = {"text": "sample 0", "meta": {"a": torch.tensor(1)}, "half": torch.zeros(2).bfloat16()}
+    bad["ids"] = torch.zeros(2, dtype=torch.uint16)  # a torch dtype has no numpy kind
     msg = _refused(tmp_path, _loader(Fields(first=bad)))
+    assert "field 'ids' is a uint16 tensor: cast it to one the wire carries" in msg
     assert msg.startswith("dataset[0]: ") and "only tensors of bool" in msg
     assert "field 'text' is a str: turn the text into token ids" in msg
     assert "field 'meta' is a dict: give its parts as top-level fields" in msg

@@ -200,7 +200,10 @@ def advice(value: Any) -> str:
     if dtype.endswith("bfloat16"):
         return "return it as float32 (or float16) and cast it to bfloat16 on the device"
     where = "in the dataset or a collate_fn, or drop the field"
-    if isinstance(inner, (str, bytes)) or getattr(inner, "dtype", np.dtype(int)).kind in "US":
+    kind = getattr(getattr(inner, "dtype", None), "kind", "")  # a torch dtype has no kind
+    if dtype.startswith("torch.") or kind in ("i", "u", "f", "c", "b"):  # numbers, not carried
+        return f"cast it to one the wire carries (int32/int64, float32/float16) {where}"
+    if isinstance(inner, (str, bytes)) or kind in ("U", "S"):
         return f"turn the text into token ids (an integer tensor) {where}"
     if isinstance(inner, Mapping):
         return f"give its parts as top-level fields {where}"

@@ -253,7 +253,12 @@ def _run_task(packer: Packer, task: dict[str, Any], out: Deliverer | None) -> li
     sent = shared_bytes = 0
     try:  # a packer's tensor the wire cannot carry is that task's error, not this worker's death
         for name, value in packed.tensors.items():
-            protocol.check_dtype(name, np.asarray(value).dtype)
+            try:
+                dtype = np.asarray(value).dtype
+            except (TypeError, ValueError) as exc:  # torch's bfloat16, a ragged list
+                kind = getattr(value, "dtype", type(value).__name__)
+                raise ProtocolError(f"tensor {name!r}: {kind} is not allowed on the wire") from exc
+            protocol.check_dtype(name, dtype)
     except ProtocolError as exc:
         log.error("task %s: %s", ident, exc)
         return protocol.encode("failed", {**ident, **error_fields(exc)})
