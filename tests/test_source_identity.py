@@ -39,6 +39,19 @@ def write_shard(path: Path, captions: dict[str, bytes]) -> Path:
     return path
 
 
+def paths_passed_to(monkeypatch, owner, name: str) -> list[str]:
+    """The paths ``owner.name`` is called with from now on (it still runs)."""
+    seen: list[str] = []
+    real = getattr(owner, name)
+
+    def counted(path, *args):
+        seen.append(path)
+        return real(path, *args)
+
+    monkeypatch.setattr(owner, name, counted)
+    return seen
+
+
 @pytest.fixture
 def indexed(tmp_path):
     """A text shard and its index, written in another folder (sources stored relative)."""
@@ -109,14 +122,7 @@ def test_shard_rewritten_with_another_size_is_refused(indexed):
 
 def test_a_source_is_checked_once_when_opened_not_per_sample(indexed, monkeypatch):
     shard, index = indexed
-    calls: list[str] = []
-    real = sources.vouch
-
-    def counted(path, recorded):
-        calls.append(path)
-        return real(path, recorded)
-
-    monkeypatch.setattr(sources, "vouch", counted)
+    calls = paths_passed_to(monkeypatch, sources, "vouch")
     packer = make_packer(str(index), on_error="skip")
     assert packer([0], [0, 1]).llm_keys == ["a", "b"]
     assert packer([], [2]).llm_keys == ["c"] and calls == [str(shard)]
@@ -250,14 +256,7 @@ def test_index_without_a_fingerprint_still_refuses_a_new_mtime(indexed):
 
 def test_the_file_is_read_only_when_its_mtime_differs(indexed, monkeypatch):
     shard, index = indexed
-    reads: list[str] = []
-    real = source_identity.content_fingerprint
-
-    def counted(path, size):
-        reads.append(path)
-        return real(path, size)
-
-    monkeypatch.setattr(source_identity, "content_fingerprint", counted)
+    reads = paths_passed_to(monkeypatch, source_identity, "content_fingerprint")
     packer = make_packer(str(index))
     assert packer([], [0, 1, 2]).llm_keys == ["a", "b", "c"] and reads == []  # one stat only
     t = os.stat(shard).st_mtime_ns + 10**9
@@ -299,14 +298,7 @@ def test_a_copy_reopened_after_eviction_is_not_read_again(tmp_path, monkeypatch)
     for shard in shards:  # copied without its mtime
         t = os.stat(shard).st_mtime_ns + 10**9
         os.utime(shard, ns=(t, t))
-    reads: list[str] = []
-    real = source_identity.content_fingerprint
-
-    def counted(path, size):
-        reads.append(path)
-        return real(path, size)
-
-    monkeypatch.setattr(source_identity, "content_fingerprint", counted)
+    reads = paths_passed_to(monkeypatch, source_identity, "content_fingerprint")
     packer = make_packer(str(index), max_open=1)  # every other sample evicts the other shard
     for _ in range(3):
         assert len(packer([], [0, 3, 1, 4]).llm_keys) == 4
