@@ -198,6 +198,12 @@ def test_unreadable_media_errors_do_not_print_a_buffer(tmp_path):
     with pytest.raises(ValueError, match="not a readable audio file") as err:
         audio_seconds(b"not audio")
     assert "BytesIO" not in str(err.value)
+    from entrain_data.workers.decode import decode_audio, decode_image  # at serve time too
+
+    for decode, what in ((decode_image, "image"), (decode_audio, "audio")):
+        with pytest.raises(ValueError, match=f"{what} does not decode") as err:
+            decode(b"not media")
+        assert "BytesIO" not in str(err.value)
 
 
 def test_bom_metadata_in_object_storage_is_read_and_served_as_locally(tmp_path):

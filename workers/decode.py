@@ -196,8 +196,9 @@ def decode_image(
         SyntaxError,
         ValueError,
         Image.DecompressionBombError,
-    ) as exc:
-        raise ValueError(f"image does not decode ({exc})") from exc
+    ) as exc:  # not PIL's <_io.BytesIO object at 0x...>: the caller names the sample
+        why = "not a known image format" if isinstance(exc, UnidentifiedImageError) else exc
+        raise ValueError(f"image does not decode ({why})") from exc
     return arr
 
 
@@ -324,7 +325,8 @@ def decode_audio(data: bytes, sample_rate: int = 16000) -> np.ndarray:
     try:
         wav, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
     except (RuntimeError, sf.LibsndfileError, TypeError) as exc:
-        raise ValueError(f"audio does not decode ({exc})") from exc
+        why = getattr(exc, "error_string", exc)  # not "Error opening <_io.BytesIO ...>"
+        raise ValueError(f"audio does not decode ({why})") from exc
     mono = wav.mean(axis=1) if wav.shape[1] > 1 else wav[:, 0]
     if rate != sample_rate and len(mono):
         n_out = max(1, int(round(len(mono) * sample_rate / rate)))
