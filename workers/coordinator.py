@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import signal
 import time
 from collections import deque
@@ -189,7 +190,9 @@ class Coordinator:
             if s is not None:
                 poller.register(s, zmq.POLLIN)
         drain_until: float | None = None
-        while not self._stop:
+        settle = math.inf  # a stop still takes the results in flight (their skips), 0.5 s at most
+        while not self._stop or (self.production.in_flight and time.monotonic() < settle):
+            settle = time.monotonic() + 0.5 if self._stop and settle == math.inf else settle
             # while microbatches wait for their iteration's assignment, look again soon
             events = dict(poller.poll(_ASSIGN_POLL_MS if self._awaiting else _POLL_MS))
             for sock in (back, remote):  # results first: a rank's next request may follow one
@@ -207,7 +210,7 @@ class Coordinator:
                         break
                     self._on_client(front, frames)
             if self._stop:
-                break  # a signal arrived: do not restart workers that it may have stopped
+                continue  # a signal arrived: do not restart workers that it may have stopped
             lost, silent = pool.reap()
             self.production.lost(silent, self.ranks, died=False)
             if lost or silent:
