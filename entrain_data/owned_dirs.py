@@ -56,7 +56,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 # what flock raises on a filesystem that has none (Lustre without -o flock: ENOSYS; some NFS)
-_NO_FLOCK = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS})
+NO_FLOCK = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS})
 _NEW = ".new-"  # put before the prefix of a directory being made: not yet locked
 # a directory still being made, or left empty without its lock file, this long after it was
 # last touched was left by a killed maker or remover: making or removing one takes a
@@ -111,7 +111,7 @@ def _lock_new(owner: str) -> tuple[int | None, str]:
         fcntl.flock(fd, fcntl.LOCK_SH)
     except OSError as exc:
         os.close(fd)
-        if exc.errno not in _NO_FLOCK:
+        if exc.errno not in NO_FLOCK:
             raise
         os.unlink(owner)
         _touch(os.path.join(os.path.dirname(owner), _MARK))
@@ -136,7 +136,7 @@ def hold_owned_dir(path: str) -> bool:
         fcntl.flock(fd, fcntl.LOCK_SH)
     except OSError as exc:
         os.close(fd)
-        if exc.errno in _NO_FLOCK:
+        if exc.errno in NO_FLOCK:
             return False
         raise
     _HELD[path] = fd

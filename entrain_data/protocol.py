@@ -34,7 +34,6 @@ __all__ = [
     "encode",
     "decode",
     "decode_header",
-    "check_dtype",
 ]
 
 PROTOCOL_VERSION = 2  # 2: a task's deliver entries list the tensors a stage does not read
@@ -135,8 +134,10 @@ def encode(
     buffers: list[Any] = []
     for name, value in (tensors or {}).items():
         arr = np.ascontiguousarray(value)
-        check_dtype(name, arr.dtype)
-        specs.append([str(name), arr.dtype.name, list(arr.shape), int(arr.nbytes)])
+        dt = arr.dtype.name
+        if dt not in DTYPES or arr.dtype.byteorder == ">":
+            raise ProtocolError(f"tensor {name!r}: dtype {arr.dtype} is not allowed on the wire")
+        specs.append([str(name), dt, list(arr.shape), int(arr.nbytes)])
         buffers.append(memoryview(arr.reshape(-1).view(np.uint8)) if arr.nbytes else b"")
     header = {"v": PROTOCOL_VERSION, "kind": kind, "tensors": specs, **fields}
     try:
@@ -144,13 +145,6 @@ def encode(
     except (TypeError, ValueError) as exc:
         raise ProtocolError(f"{kind} header is not msgpack-serialisable: {exc}") from exc
     return [packed, *buffers]
-
-
-def check_dtype(name: str, dtype: np.dtype) -> None:
-    """Raise :class:`ProtocolError` naming tensor ``name`` unless ``dtype`` may go on the wire
-    (in :data:`DTYPES`, native byte order)."""
-    if dtype.name not in DTYPES or dtype.byteorder == ">":
-        raise ProtocolError(f"tensor {name!r}: dtype {dtype} is not allowed on the wire")
 
 
 def decode_header(frame: Any) -> dict[str, Any]:

@@ -240,7 +240,8 @@ class _OddPacker:
 
 
 @pytest.mark.parametrize(
-    ("kind", "said"), [("str", "dtype <U.* not allowed"), ("bf16", "torch.bfloat16 is not allowed")]
+    ("kind", "said"),
+    [("str", "a <U.* array is not allowed"), ("bf16", "a bfloat16 tensor is not allowed")],
 )
 def test_a_packer_tensor_the_wire_cannot_carry_stops_the_service_by_name(
     tmp_path, dataset, kind, said

@@ -138,6 +138,21 @@ def test_only_unheld_directories_of_the_prefix_with_a_lock_file_are_removed(tmp_
     assert not os.path.exists(mine) and not hold_owned_dir(mine)
 
 
+def _aged(*dirs) -> None:
+    """Last touched an hour ago: past every sweep's safety age."""
+    old = time.time() - 3600
+    for d in dirs:
+        os.utime(d, (old, old))
+
+
+def _held(folder) -> int:
+    """A lock file in ``folder``, held (shared) as a live process holds its folder's."""
+    (folder / ".owner").touch()
+    fd = os.open(folder / ".owner", os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
+
 def test_a_directory_half_made_by_a_killed_maker_goes_once_stale(tmp_path):
     """A maker killed between making its directory and naming it (``.new-...``: no pid, maybe
     no lock file) left it for good: no sweep looked at those names."""
@@ -148,12 +163,8 @@ def test_a_directory_half_made_by_a_killed_maker_goes_once_stale(tmp_path):
     for d in (young, stale, locked, held):
         d.mkdir()
     (locked / ".owner").touch()
-    (held / ".owner").touch()
-    fd = os.open(held / ".owner", os.O_RDONLY)
-    fcntl.flock(fd, fcntl.LOCK_SH)
-    old = time.time() - 3600
-    for d in (stale, locked, held):
-        os.utime(d, (old, old))
+    fd = _held(held)
+    _aged(stale, locked, held)
     try:
         assert remove_orphaned_dirs(str(tmp_path), "entrain-rank-") == []  # another prefix
         assert remove_orphaned_dirs(str(tmp_path), "entrain-ipc-", pid=1) == []  # pid: named
@@ -297,9 +308,7 @@ def test_what_a_remover_killed_at_any_step_leaves_the_next_sweep_removes(tmp_pat
             _die_at(step, remover, root)  # never returns
         _, status = os.waitpid(child, 0)
         left = {p.name: sorted(os.listdir(p)) for p in tmp_path.iterdir()}
-        old = time.time() - 3600  # swept as if looked at later: a leftover empty one is stale
-        for p in tmp_path.iterdir():
-            os.utime(p, (old, old))
+        _aged(*tmp_path.iterdir())  # swept as if looked at later: a leftover empty one is stale
         remove_orphaned_dirs(root, "entrain-shm-")
         assert os.listdir(tmp_path) == [], f"killed at step {step}, it left {left}"
         if os.WIFEXITED(status):
@@ -319,12 +328,8 @@ def test_a_folder_left_empty_without_its_lock_file_goes_once_stale(tmp_path):
     for d in (stale, young, full, held, other):
         d.mkdir()
     (full / "data.sock").touch()
-    (held / ".owner").touch()
-    fd = os.open(held / ".owner", os.O_RDONLY)
-    fcntl.flock(fd, fcntl.LOCK_SH)
-    old = time.time() - 3600
-    for d in (stale, full, held, other):
-        os.utime(d, (old, old))
+    fd = _held(held)
+    _aged(stale, full, held, other)
     try:
         assert remove_orphaned_dirs(str(tmp_path), "entrain-shm-", pid=3073) == []
         assert remove_orphaned_dirs(str(tmp_path), "entrain-shm-") == [str(stale)]
@@ -347,8 +352,7 @@ def test_a_folder_made_where_flock_fails_is_never_taken_for_a_leftover(tmp_path,
         path = make_owned_dir(str(tmp_path), "entrain-shm-")
     try:
         assert ".owner" not in os.listdir(path)
-        old = time.time() - 3600
-        os.utime(path, (old, old))  # an idle service's: it made no segment for an hour
+        _aged(path)  # an idle service's: it made no segment for an hour
         assert remove_orphaned_dirs(str(tmp_path), "entrain-shm-") == []
         assert os.path.isdir(path)
     finally:

@@ -17,16 +17,14 @@ the bind then says what is wrong with the path.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import os
 
 from entrain_data.errors import AddressInUse
+from entrain_data.owned_dirs import NO_FLOCK  # one list of what 'no flock here' raises
 
 __all__ = ["claim", "release", "remove_unclaimed"]
 
-# what flock raises where it has none (Lustre mounted -o noflock says ENOSYS)
-_NO_FLOCK = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS})
 _TRIES = 3  # a lock file unlinked by a stopping owner between our open and lock: open again
 
 
@@ -55,7 +53,7 @@ def claim(ep: str) -> int | None:
             ) from None
         except OSError as exc:
             os.close(fd)
-            if exc.errno in _NO_FLOCK:  # nobody can hold it here: it guards nothing, remove it
+            if exc.errno in NO_FLOCK:  # nobody can hold it here: it guards nothing, remove it
                 with contextlib.suppress(OSError):
                     os.unlink(lock)
                 return None

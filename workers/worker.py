@@ -27,7 +27,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import zmq
 
 from entrain_data import protocol
@@ -43,7 +42,7 @@ from entrain_data.errors import (
 from entrain_data.tcp import HandshakeWatch, family_for
 
 from .delivery import Deliverer
-from .sample_source import Packed, Packer, SampleSource
+from .sample_source import WIRE_NOTE, Packed, Packer, SampleSource, describe, wire_array
 
 __all__ = ["Packed", "run_worker", "run_remote_worker"]
 
@@ -251,15 +250,13 @@ def _run_task(packer: Packer, task: dict[str, Any], out: Deliverer | None) -> li
     dests = task.get("deliver") or []
     reached: list[int] = []
     sent = shared_bytes = 0
-    try:  # a packer's tensor the wire cannot carry is that task's error, not this worker's death
-        for name, value in packed.tensors.items():
-            try:
-                dtype = np.asarray(value).dtype
-            except (TypeError, ValueError) as exc:  # torch's bfloat16, a ragged list
-                kind = getattr(value, "dtype", type(value).__name__)
-                raise ProtocolError(f"tensor {name!r}: {kind} is not allowed on the wire") from exc
-            protocol.check_dtype(name, dtype)
-    except ProtocolError as exc:
+    # a packer's tensor the wire cannot carry is that task's error, not this worker's death
+    unsendable = [n for n, v in packed.tensors.items() if wire_array(v) is None]
+    if unsendable:
+        value = packed.tensors[unsendable[0]]
+        exc = ProtocolError(
+            f"tensor {unsendable[0]!r}: {describe(value)} is not allowed on the wire ({WIRE_NOTE})"
+        )
         log.error("task %s: %s", ident, exc)
         return protocol.encode("failed", {**ident, **error_fields(exc)})
     if out is not None and dests:
