@@ -143,6 +143,7 @@ def test_the_search_uses_the_room_an_outlier_leaves(seed):
 
     with pytest.MonkeyPatch.context() as mp:  # the room alone, not the light work's layout
         mp.setattr(en, "lay_light_work", lambda rp, e, lo, stage, cur, rng: (e, lo))
+        mp.setattr(en, "order_slowest", lambda rp, e, lo, stage: (e, lo))  # nor the order
         with_room = simulated()
         mp.setattr(ps, "outliers", lambda cost, m: np.zeros(cost.shape[::2], bool))
         without = simulated()

@@ -13,9 +13,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_assignment_caps_delay import _batch  # heavy-tailed tokens, text-only samples
+from test_assignment_slot_order import _state  # entrain's sets, slots shuffled
 
 from entrain_data import compiled
 from entrain_data.assignment import assign, check_assignment
+from entrain_data.assignment.pipeline_search import stage_costs
+from entrain_data.assignment.slot_order import order_slowest
 from entrain_data.cost_model import per_sample_costs
 from entrain_data.errors import InvalidInput
 from entrain_data.presets import ModelSpec
@@ -434,3 +437,20 @@ def test_light_work_compiled_equals_numpy(seed):
         numpy_path, compiled_path = _both(lambda: assign(enc, llm, tok, **kw))
     assert _same_sets(numpy_path, compiled_path)
     assert min(moved) > 0  # both runs laid some replica's light work out
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    dp=st.sampled_from([1, 3, 20]),
+    m=st.integers(3, 12),
+    per=st.integers(0, 6),
+    budget=st.sampled_from([None, 0.5, 3.0]),
+    frozen=st.booleans(),
+)
+def test_slot_order_compiled_equals_numpy(seed, dp, m, per, budget, frozen):
+    """The swap rounds on shuffled slots (most swaps pay), with and without a binding budget."""
+    _, rp, eidx, lidx, *_ = _state(seed, dp, m, per, budget, frozen)
+    stage = stage_costs(rp)
+    (e0, l0), (e1, l1) = _both(lambda: order_slowest(rp, eidx, lidx, stage))
+    assert np.array_equal(e0, e1) and np.array_equal(l0, l1)

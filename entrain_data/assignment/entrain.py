@@ -48,6 +48,9 @@ On the slowest replicas, where the plan's depth is told, the light samples are t
 (around the heavy ones, where a replica holds any) on the share profile that is fastest on
 the proxy pipeline, free or within a CV bound (:mod:`.light_work`), where that is faster,
 every module stays within a random cut's CV and the batch's largest sets within its peaks.
+Last, the slowest replicas' microbatches are put in the order that is fastest on the proxy
+pipeline, by swaps of whole slots that keep every set, the release and the budget
+(:mod:`.slot_order`).
 
 Level 1 evens the replicas' module sums, but a replica holding a sample several times a
 mean microbatch stalls 1F1B and runs longer than its sums say. After level 2 such a replica
@@ -117,6 +120,7 @@ from .pipeline_search import (
 )
 from .replica_split import fit_caps, norm_columns, split_replicas
 from .shaping import coshaped_candidate, shaped_candidates
+from .slot_order import order_slowest
 from .stall_shed import cv_limit, shed_stalls
 
 _SHED_PASSES = 3  # rounds of shed_stalls at most; each runs only where the last one moved work:
@@ -279,7 +283,8 @@ def _level2(
     the proxy, the search won back half, 0.999 of verl_kk). Where the own order beats the
     search's result the replica keeps its own order (searching it as well added 5-7 ms an
     assignment at 8192 / dp 128 for 0.2% on that mix). Last, the light work of the slowest
-    replicas is laid on the pipeline's fluid profile (:mod:`.light_work`)."""
+    replicas is laid on the pipeline's fluid profile (:mod:`.light_work`), and the slowest
+    replicas' slots are reordered (:mod:`.slot_order`)."""
     eidx, lidx, keep = _pick(_candidates(rp, tolerance, stage), rp, stage)
     work = sum(s.sum(axis=2) for s in stage)  # [R, n] a sample's work on the proxy's stages
     e_m, l_m = _edges_light(eidx, lidx, rp.valid, work, rp.m, keep)
@@ -287,7 +292,8 @@ def _level2(
     t_pick, t_s = proxy_times(rp, eidx, lidx, stage), proxy_times(rp, e_s, l_s, stage)
     won = t_pick < t_s
     eidx, lidx = np.where(won[:, None], eidx, e_s), np.where(won[:, None], lidx, l_s)
-    return lay_light_work(rp, eidx, lidx, stage, np.where(won, t_pick, t_s), rng)
+    eidx, lidx = lay_light_work(rp, eidx, lidx, stage, np.where(won, t_pick, t_s), rng)
+    return order_slowest(rp, eidx, lidx, stage)
 
 
 def _candidates(rp: Replicas, tolerance: float, stage: StageCosts) -> list[Candidate]:
