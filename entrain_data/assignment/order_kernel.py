@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..compiled import jit
-from .search_kernel import _ops, _run
+from .search_kernel import _first_ops, _ops, _run
 
 __all__ = ["swap_rounds"]
 
@@ -32,9 +32,7 @@ def swap_rounds(
     n = e_enc.shape[1]
     n_ops = topo.shape[0]
     prev, dep, load, last = _ops(topo, m, s_count)
-    first_op = np.full(m, n_ops, np.int64)  # a microbatch's first op in the schedule
-    for i in range(n_ops):
-        first_op[topo[i, 2]] = min(first_op[topo[i, 2]], i)
+    first_op = _first_ops(topo, m)  # a microbatch's first op in the schedule
     perm = np.empty((a_count, m), np.int64)
     times = np.empty((2, m, s_count))
     flat = times.reshape(-1)

@@ -50,6 +50,16 @@ def _ops(topo, m, s_count):
 
 
 @jit
+def _first_ops(topo, m):
+    """[M] the index of every microbatch's first op in the schedule ``topo`` [N, 3]: a run
+    that changes microbatches from j on may start there (the ops before end alike)."""
+    first = np.full(m, topo.shape[0], np.int64)
+    for i in range(topo.shape[0]):
+        first[topo[i, 2]] = min(first[topo[i, 2]], i)
+    return first
+
+
+@jit
 def _run(prev, dep, load, last, times, ends, first):
     """The 1F1B iteration time of ``times`` (the [2 M S] flat forward-then-backward times,
     clipped at 0 as the search's caller does: incremental updates leave rounding residue)
@@ -97,9 +107,7 @@ def fluid_times(fh, bh, fl, bl, shares, topo, base, keep):
     s_count = fh.shape[2]
     n_ops = topo.shape[0]
     prev, dep, load, last = _ops(topo, m, s_count)
-    first_op = np.full(m, n_ops, np.int64)  # a microbatch's first op in the schedule
-    for i in range(n_ops):
-        first_op[topo[i, 2]] = min(first_op[topo[i, 2]], i)
+    first_op = _first_ops(topo, m)  # a microbatch's first op in the schedule
     out = np.empty((r_count, p_count))
     times = np.empty((2, m, s_count))
     flat = times.reshape(-1)
