@@ -39,7 +39,7 @@ def swap_rounds(
     ends = np.zeros(n_ops + 1)
     ends_base = np.zeros(n_ops + 1)
     inv = np.empty(m, np.int64)
-    cand = np.empty(m, np.int64)
+    feeds = np.zeros((m, m), np.bool_)
     for r in range(a_count):
         for x in range(m):
             perm[r, x] = x
@@ -52,17 +52,25 @@ def swap_rounds(
                 times[1, y] = bwd[r, inv[y]]
             _run(prev, dep, load, last, flat, ends_base, 0)
             ends[:] = ends_base
+            feeds[:, :] = False  # feeds[x, y]: a sample encoded at slot x waits for slot y
+            for i in range(n):
+                if enc[r, i]:
+                    feeds[perm[r, e_enc[r, i]], perm[r, l_enc[r, i]]] = True
             best_t, best_a, best_b = np.inf, -1, -1
             for a in range(m):
                 for b in range(a + 1, m):
-                    for x in range(m):
-                        v = perm[r, x]
-                        cand[x] = b if v == a else (a if v == b else v)
+                    # swapping a < b puts an L set before its E set only where a sample goes
+                    # from slot a to a slot up to b, or to slot b from a slot from a on
                     late = False
-                    for i in range(n):
-                        if enc[r, i] and cand[e_enc[r, i]] > cand[l_enc[r, i]]:
+                    for y in range(a + 1, b + 1):
+                        if feeds[a, y]:
                             late = True
                             break
+                    if not late:
+                        for x in range(a, b):
+                            if feeds[x, b]:
+                                late = True
+                                break
                     if late:
                         continue
                     if use_budget:

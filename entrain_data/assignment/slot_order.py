@@ -10,8 +10,8 @@ rest). On a replica that defers, that order was up to 1% slower than the best th
 sets reach (``real:librispeech``/vla-3b with frozen encoders at 8192 / dp 128, a slowest
 replica: 0.3250 s by the proxy as picked, 0.3218 s after these swaps; see bench/RESULTS.md).
 Over the balance bench the means against the best keeping peer rose at every setting
-(paper 1.0442 -> 1.0473, frozen large 1.0282 -> 1.0296); 4-5 ms an assignment at 8192 /
-dp 128, compiled (:mod:`.order_kernel`).
+(paper 1.0442 -> 1.0473, frozen large 1.0282 -> 1.0300), within the machine's noise of the
+latency at 8192 / dp 128 compiled (:mod:`.order_kernel`).
 
 A move swaps two slots: the E set and the L set at slot ``a`` trade places with those at
 ``b``. No set changes, so no module's CV, no token or patch cap and no sample's company
@@ -35,21 +35,41 @@ __all__ = ["order_slowest"]
 
 _FOCUS = 16  # replicas searched: the slowest by proxy time (they set the iteration's)
 _ROUNDS = 24  # swaps per replica at most
+# passes at most: after one, the slowest replica may be one not yet searched (at 8192 / dp 128
+# the mean against the best keeping peer rose 1.0469 -> 1.0478, frozen 1.0296 -> 1.0300)
+_PASSES = 4
 
 
 def order_slowest(
     rp: Replicas, eidx: np.ndarray, lidx: np.ndarray, stage: tuple
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``(eidx, lidx)`` with the ``_FOCUS`` slowest replicas' slots reordered (see the module
-    docstring); the others, and replicas where no swap pays, as given. ``stage``: the (ef,
-    lf, lb) of :func:`.pipeline_search.stage_costs` for ``rp``."""
+    """``(eidx, lidx)`` with the slowest replicas' slots reordered (see the module docstring):
+    the ``_FOCUS`` slowest, then again the slowest not yet searched while the slowest of all
+    is one of them (``_PASSES`` at most); the others, and replicas where no swap pays, as
+    given. ``stage``: the (ef, lf, lb) of :func:`.pipeline_search.stage_costs` for ``rp``."""
     m, valid = rp.m, rp.valid
     if not rp.depth_known or m < 3 or eidx.size == 0:
         return eidx, lidx
-    fwd, bwd = _proxy_loads(eidx, lidx, *stage, valid, m)  # [R, m, S]
-    cur = _replica_times(fwd, bwd)
-    act = np.sort(np.argsort(-cur, kind="stable")[:_FOCUS])
-    fwd, bwd, t_now = fwd[act], bwd[act], cur[act]
+    fwd_all, bwd_all = _proxy_loads(eidx, lidx, *stage, valid, m)  # [R, m, S]
+    cur = _replica_times(fwd_all, bwd_all)
+    done = np.zeros(len(cur), bool)
+    eidx, lidx = eidx.copy(), lidx.copy()
+    for _ in range(_PASSES):
+        order = np.argsort(-np.where(done, -np.inf, cur), kind="stable")
+        if done[int(np.argmax(cur))]:
+            break  # the slowest replica is one already searched
+        act = np.sort(order[: min(_FOCUS, int((~done).sum()))])
+        done[act] = True
+        cur[act] = _order_rows(rp, eidx, lidx, fwd_all, bwd_all, cur, act)
+    return eidx, lidx
+
+
+def _order_rows(rp, eidx, lidx, fwd_all, bwd_all, cur, act):
+    """Reorder the slots of replicas ``act`` in ``eidx`` and ``lidx`` (in place); their new
+    proxy times (``fwd_all``, ``bwd_all`` [R, m, S]: every replica's loads as given; ``cur``
+    [R] their times)."""
+    m, valid = rp.m, rp.valid
+    fwd, bwd, t_now = fwd_all[act], bwd_all[act], cur[act]
     enc = valid[act] & rp.has_enc[act]
     e_a, l_a = eidx[act], lidx[act]
     e_enc, l_enc = np.where(enc, e_a, 0), np.where(enc, l_a, 0)
@@ -64,12 +84,13 @@ def order_slowest(
         perm = swap_rounds(*args, _topo(m, fwd.shape[2]))
     else:
         perm = _swap_rounds(*args)
-    eidx, lidx = eidx.copy(), lidx.copy()
     v = valid[act]
     for out, idx in ((eidx, e_a), (lidx, l_a)):
         moved = np.take_along_axis(perm, np.maximum(idx, 0), axis=1)
         out[act] = np.where(v & (idx >= 0), moved, idx)
-    return eidx, lidx
+    inv = np.argsort(perm, axis=1)
+    rows = np.arange(len(act))[:, None]
+    return _replica_times(fwd[rows, inv], bwd[rows, inv])
 
 
 def _swap_rounds(fwd, bwd, e_enc, l_enc, enc, flow_in, flow_out, budget, use_budget, t_now, rounds):
