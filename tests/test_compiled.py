@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_assignment_caps_delay import _batch  # heavy-tailed tokens, text-only samples
-from test_assignment_slot_order import _state  # entrain's sets, slots shuffled
+from test_assignment_slot_order import SHUFFLED, _state  # entrain's sets, slots shuffled
 
 from entrain_data import compiled
 from entrain_data.assignment import assign, check_assignment
@@ -440,14 +440,7 @@ def test_light_work_compiled_equals_numpy(seed):
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    seed=st.integers(0, 2**31 - 1),
-    dp=st.sampled_from([1, 3, 20]),
-    m=st.integers(3, 12),
-    per=st.integers(0, 6),
-    budget=st.sampled_from([None, 0.5, 3.0]),
-    frozen=st.booleans(),
-)
+@given(**SHUFFLED)
 def test_slot_order_compiled_equals_numpy(seed, dp, m, per, budget, frozen):
     """The swap rounds on shuffled slots (most swaps pay), with and without a binding budget."""
     _, rp, eidx, lidx, *_ = _state(seed, dp, m, per, budget, frozen)

@@ -21,6 +21,7 @@ __all__ = [
     "check_assignment",
     "check_stage_shares",
     "rng_for",
+    "relabel_slots",
     "slot_sums",
     "module_cv",
     "module_loads",
@@ -229,6 +230,13 @@ def mountain_positions(load: np.ndarray) -> np.ndarray:
     newpos = np.empty((r_count, m), dtype=np.int64)
     np.put_along_axis(newpos, heavy_first, np.broadcast_to(pos_order, (r_count, m)), axis=1)
     return newpos
+
+
+def relabel_slots(new_slot: np.ndarray, idx: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """[R, n] slots ``idx`` moved to ``new_slot`` [R, m] (old slot -> new slot, one map per
+    replica); pads and samples without a slot (-1) stay as they are."""
+    moved = np.take_along_axis(new_slot, np.maximum(idx, 0), axis=1)
+    return np.where(valid & (idx >= 0), moved, idx)
 
 
 def slot_sums(idx: np.ndarray, values: np.ndarray, valid: np.ndarray, m: int) -> np.ndarray:

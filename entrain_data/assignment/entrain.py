@@ -90,6 +90,7 @@ from .common import (
     module_cv,
     module_loads,
     mountain_positions,
+    relabel_slots,
     rng_for,
     slot_sums,
 )
@@ -562,9 +563,7 @@ def _edges_light(eidx, lidx, valid, work, m, keep=None):
         return eidx, lidx
     load = slot_sums(lidx, work, valid & (lidx >= 0), m)
     remap = np.where(joint[:, None], mountain_positions(load), np.arange(m)[None, :])
-    e2 = np.where(valid, np.take_along_axis(remap, np.maximum(eidx, 0), axis=1), eidx)
-    l2 = np.where(valid, np.take_along_axis(remap, np.maximum(lidx, 0), axis=1), lidx)
-    return e2, l2
+    return relabel_slots(remap, eidx, valid), relabel_slots(remap, lidx, valid)
 
 
 def _grouped(members: np.ndarray, slot: np.ndarray, count: int) -> list[np.ndarray]:

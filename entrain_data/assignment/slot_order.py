@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import compiled
-from .common import Replicas, slot_sums
+from .common import Replicas, relabel_slots, slot_sums
 from .pipeline_search import _proxy_loads, _replica_times, _topo
 
 __all__ = ["order_slowest"]
@@ -55,9 +55,9 @@ def order_slowest(
     done = np.zeros(len(cur), bool)
     eidx, lidx = eidx.copy(), lidx.copy()
     for _ in range(_PASSES):
-        order = np.argsort(-np.where(done, -np.inf, cur), kind="stable")
         if done[int(np.argmax(cur))]:
             break  # the slowest replica is one already searched
+        order = np.argsort(-np.where(done, -np.inf, cur), kind="stable")
         act = np.sort(order[: min(_FOCUS, int((~done).sum()))])
         done[act] = True
         cur[act] = _order_rows(rp, eidx, lidx, fwd_all, bwd_all, cur, act)
@@ -84,10 +84,10 @@ def _order_rows(rp, eidx, lidx, fwd_all, bwd_all, cur, act):
         perm = swap_rounds(*args, _topo(m, fwd.shape[2]))
     else:
         perm = _swap_rounds(*args)
-    v = valid[act]
-    for out, idx in ((eidx, e_a), (lidx, l_a)):
-        moved = np.take_along_axis(perm, np.maximum(idx, 0), axis=1)
-        out[act] = np.where(v & (idx >= 0), moved, idx)
+    eidx[act], lidx[act] = (
+        relabel_slots(perm, e_a, valid[act]),
+        relabel_slots(perm, l_a, valid[act]),
+    )
     inv = np.argsort(perm, axis=1)
     rows = np.arange(len(act))[:, None]
     return _replica_times(fwd[rows, inv], bwd[rows, inv])
