@@ -313,3 +313,53 @@ def test_a_second_encoder_used_by_one_sample_does_not_break_the_light_work():
     tok = np.array([87, 77, 97, 32, 90, 92, 23, 47, 57, 69])
     a = assign(enc, llm, tok, dp=3, microbatches=3, pipeline_stages=8)
     check_assignment(a, 10, tok)
+
+
+def two_encoder_deal(seed: int, tight: bool = False):
+    """A light deal's input: 4 replicas of 64 samples, each an image (lognormal vision cost)
+    or a 30 s clip (a constant Whisper cost), no heavy sample, caps 1.5 mean microbatches of
+    the fullest replica where ``tight`` (else none), and the replicas' work (both encoders
+    and the LLM)."""
+    from entrain_data.assignment.common import validate_inputs
+    from entrain_data.assignment.light_work import _capped
+
+    rng = np.random.default_rng(seed)
+    dp, m, per = 4, 8, 64
+    n = dp * per
+    audio = rng.random(n) < 0.4
+    enc = np.zeros((n, 2))
+    enc[~audio, 0] = rng.lognormal(0, 0.8, int((~audio).sum()))
+    enc[audio, 1] = 1.0
+    tok = rng.integers(50, 2000, n)
+    pt = np.stack([np.where(audio, 0, rng.integers(64, 4096, n)), np.where(audio, 1500, 0)], 1)
+    x = validate_inputs(enc, tok * 1e-3, tok, dp, m, None, None, encoder_patches=pt)
+    rp = en.replicas_of(x, np.arange(n).reshape(dp, per))
+    if tight:
+        fullest = rp.tok.sum(axis=1).max(), rp.patches.sum(axis=1).max(axis=0)
+        peaks = 1.5 * fullest[0] / m, 1.5 * fullest[1] / m
+    else:
+        peaks = float(tok.sum()), pt.sum(axis=0).astype(np.float64)
+    rp = _capped(rp, peaks)
+    work = rp.enc_cols.sum(axis=2) + rp.llm
+    return rp, work
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_dealt_by_module_every_module_follows_the_share(seed):
+    """Dealt on the work alone, a module the work does not follow (the encoders' sum where
+    every sample carries an image or a clip) ends as uneven as the draw; dealt by module,
+    every module and the work follow the share together: on even shares each replica's
+    most uneven module is more even than the work-only deal leaves it, and the caps hold."""
+    from entrain_data.assignment.light_work import _deal
+    from entrain_data.assignment.llm_sets import fits_patches, fits_tokens
+
+    rp, work = two_encoder_deal(seed, tight=True)
+    none = np.full(rp.valid.shape, -1)
+    share = np.full((rp.valid.shape[0], rp.m), 1.0 / rp.m)
+    worst = []
+    for by_module in (False, True):
+        e2, l2 = _deal(rp, none, none, work, rp.valid, share, by_module)
+        assert (e2 == l2).all() and (e2[rp.valid] >= 0).all()  # joint sets, every sample dealt
+        assert fits_tokens(rp, l2).all() and fits_patches(rp, e2).all()
+        worst.append(module_cv(module_loads(rp, e2, l2)).max(axis=1))
+    assert (worst[1] < worst[0]).all()

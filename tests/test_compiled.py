@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_assignment_caps_delay import _batch  # heavy-tailed tokens, text-only samples
+from test_assignment_light_work import two_encoder_deal  # a light deal, two encoders
 from test_assignment_slot_order import SHUFFLED, _state  # entrain's sets, slots shuffled
 
 from entrain_data import compiled
@@ -409,15 +410,20 @@ def test_fluid_profile_compiled_equals_numpy(seed):
     assert (_fluid_cv(hk, lk, a_c) <= limit + 1e-9).all()
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_light_work_compiled_equals_numpy(seed):
+@pytest.mark.parametrize(
+    "seed, workload, encoders",
+    [(s, "qwen2vl-dynamic", ["qwen2.5-vl-vision"]) for s in range(3)]
+    + [(s, "vision-audio", ["qwen2.5-vl-vision", "whisper-large-v3-encoder"]) for s in range(2)],
+)
+def test_light_work_compiled_equals_numpy(seed, workload, encoders):
     """The light work laid on the fluid profile (``light_work.lay_light_work``: the compiled
-    probes and deal against numpy's), on batches where it moves samples, under token and
-    patch caps of 3 mean microbatches."""
+    probes and deals, on the work alone and on every module, against numpy's), on batches
+    where it moves samples, under token and patch caps of 3 mean microbatches; with two
+    encoders the deal by module fills four columns and the work."""
     from entrain_data.assignment import entrain as en
 
-    spec = ModelSpec.from_names(["qwen2.5-vl-vision"], "llama-3.2-1b")
-    costs = per_sample_costs(synthesize("qwen2vl-dynamic", 512, seed=seed), spec)
+    spec = ModelSpec.from_names(encoders, "llama-3.2-1b")
+    costs = per_sample_costs(synthesize(workload, 512, seed=seed), spec)
     enc, llm, tok = costs.encoder_cost(), costs.llm_cost(), costs.llm_tokens
     pt = costs.encoder_tokens.astype(np.int64)
     dp, m = 4, 32
@@ -437,6 +443,22 @@ def test_light_work_compiled_equals_numpy(seed):
         numpy_path, compiled_path = _both(lambda: assign(enc, llm, tok, **kw))
     assert _same_sets(numpy_path, compiled_path)
     assert min(moved) > 0  # both runs laid some replica's light work out
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("tight", [False, True])
+@pytest.mark.parametrize("by_module", [False, True])
+def test_light_deal_compiled_equals_numpy(seed, tight, by_module):
+    """The light samples dealt to a rising and falling share, on the work alone and on every
+    module (``light_work._deal``), with and without binding caps."""
+    from entrain_data.assignment.light_work import _deal
+
+    rp, work = two_encoder_deal(seed, tight)
+    none = np.full(rp.valid.shape, -1)
+    share = 1.0 + 0.3 * np.sin(np.linspace(0, np.pi, rp.m))
+    share = np.tile(share / share.sum(), (rp.valid.shape[0], 1))
+    (e0, l0), (e1, l1) = _both(lambda: _deal(rp, none, none, work, rp.valid, share, by_module))
+    assert np.array_equal(e0, e1) and np.array_equal(l0, l1)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -174,12 +174,16 @@ def proxy_loads(eidx, lidx, ef, lf, lb, valid, m):
 
 
 @jit
-def deal_light(order, left, work, tok_s, pat_s, target, load, tok, pat, count, cap, pcap, slot):
+def deal_light(
+    order, left, cols, weight, tok_s, pat_s, target, load, tok, pat, count, cap, pcap, slot
+):
     """:func:`.light_work._deal`'s loop, replica by replica: every light sample (``order``
-    [R, n], the first ``left`` [R] of each row) into the allowed microbatch furthest below its
-    ``target`` share; ``load``, ``tok``, ``pat``, ``count`` and ``slot`` [R, n] updated in
-    place, in the numpy loop's order (so every sum rounds the same)."""
-    r_count, m = target.shape
+    [R, n], the first ``left`` [R] of each row) into the allowed microbatch whose deficits
+    (``target`` less ``load`` [R, m, D], weighed by the sample's ``weight`` [R, n, D]) its
+    ``cols`` [R, n, D] fill most; ``load``, ``tok``, ``pat``, ``count`` and ``slot`` [R, n]
+    updated in place, in the numpy loop's order (so every sum rounds the same)."""
+    r_count, m = target.shape[0], target.shape[1]
+    d_count = target.shape[2]
     pe = pat.shape[2]
     allowed = np.empty(m, np.bool_)
     for r in range(r_count):
@@ -202,11 +206,16 @@ def deal_light(order, left, work, tok_s, pat_s, target, load, tok, pat, count, c
                 any_ok = any_ok or ok
             best, best_gap = 0, -np.inf
             for j in range(m):
-                gap = target[r, j] - load[r, j] if (allowed[j] or not any_ok) else -np.inf
+                gap = -np.inf
+                if allowed[j] or not any_ok:
+                    gap = (target[r, j, 0] - load[r, j, 0]) * weight[r, s, 0]
+                    for d in range(1, d_count):
+                        gap += (target[r, j, d] - load[r, j, d]) * weight[r, s, d]
                 if gap > best_gap:
                     best, best_gap = j, gap
             slot[r, s] = best
-            load[r, best] += work[r, s]
+            for d in range(d_count):
+                load[r, best, d] += cols[r, s, d]
             tok[r, best] += tok_s[r, s]
             for e in range(pe):
                 pat[r, best, e] += pat_s[r, s, e]
