@@ -77,6 +77,17 @@ def test_parquet_duplicate_key_names_the_users_column_and_rows(tmp_path):
         build_index(str(path), progress=False, parquet_columns={"key": "id"})
 
 
+def test_null_parquet_keys_fall_back_to_table_and_row(tmp_path):
+    """A null in the key column read as the key ``'None'``, so a second null was refused as a
+    duplicate of the first. Now a null key falls back to the key the index makes
+    (``TABLE:ROW``), as a null metadata key falls back to ``FILE:LINE``; the others stay the
+    user's."""
+    path = tmp_path / "nulls.parquet"
+    pq.write_table(pa.table({"id": ["a", None, "b", None], "text": ["w", "x", "y", "z"]}), path)
+    t = build_index(str(path), progress=False, parquet_columns={"key": "id"})
+    assert list(t.keys) == ["a", "nulls.parquet:1", "b", "nulls.parquet:3"]
+
+
 def test_misspelt_parquet_role_is_refused_by_name(tmp_path, capsys):
     """``--column audio_secs=dur`` was stored and silently read as no audio (rc 0)."""
     path = tmp_path / "dur.parquet"

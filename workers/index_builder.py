@@ -271,8 +271,9 @@ def index_parquet(
     data = {role: table.column(name).to_pylist() for role, name in cols.items()}
     out: list[SampleMeta] = []
     for row in range(table.num_rows):
-        key = str(data["key"][row]) if "key" in data else f"{os.path.basename(path)}:{row}"
-        if "key" in data:
+        user = data["key"][row] if "key" in data else None  # a null key: the row's, as metadata
+        key = f"{os.path.basename(path)}:{row}" if user is None else str(user)
+        if user is not None:
             _claim(seen, key, path, f"{path} row {row}", cols["key"])
         try:
             blobs = row_members({c: data[r][row] for r, c in cols.items()}, cols)
