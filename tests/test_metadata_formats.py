@@ -172,10 +172,15 @@ def test_json_lines_in_a_json_file_are_every_record(tmp_path):
             r"x.json:3: not valid JSON \(the array is not closed",
         ),
         ('[{"text": "a"}\n{"text": "b"}]', r"x.json:2: not valid JSON \(Expecting ',' delimiter"),
+        (
+            '[{"text": "a"}]\n[{"text": "b"}]\n',
+            r"x.json:2: not valid JSON \(text after the array's closing ']'",
+        ),
     ],
 )
 def test_a_truncated_or_broken_array_is_refused(tmp_path, body, needle):
-    """Cut between two records (a partial download), the array read as a silent subset."""
+    """Cut between two records (a partial download), the array read as a silent subset; two
+    arrays one after the other (files concatenated) read as the first one alone."""
     (tmp_path / "x.json").write_text(body)
     with pytest.raises(InvalidInput, match=needle):
         read_records(str(tmp_path / "x.json"))

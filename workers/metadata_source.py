@@ -100,6 +100,9 @@ def _json_records(text: str, base: int = 0) -> list[Record]:
         if i >= len(text) or (array and text[i] == "]"):
             if array and i >= len(text):  # cut at a record boundary: not a silent subset
                 raise json.JSONDecodeError("the array is not closed (a truncated file?)", text, i)
+            end = _WS.match(text, i + 1).end() if array else i
+            if end < len(text):  # records after the array were dropped unread
+                raise json.JSONDecodeError("text after the array's closing ']'", text, end)
             return out
         line_off = where(i)
         obj, i = dec.raw_decode(text, i)
