@@ -63,28 +63,34 @@ def test_the_told_depth_is_the_one_priced(costs):
     assert t[0, 0] < t[1, 0] * 1.005, t
 
 
-def test_an_untold_depth_is_hedged_over_several():
+def test_an_untold_depth_is_hedged_over_several(monkeypatch):
     """Given no depth, the pick prices every candidate on 2, 4 and 8 stages: on
-    multi-image video the sets priced on 4 alone run slower than the hedged ones on 8
-    stages (0.1%; 3% before the light work was laid on every slow replica told the depth,
-    which suits 8 stages too), and the hedged ones lose little on 4 (1.2%: told the depth,
-    the search may also shape the light work around a sample heavier than a mean
+    multi-image video the sets priced on 4 stages alone run 1.8% slower on 8 stages than the
+    hedged ones, and the hedged ones lose little on 4 against sets told the depth (1.6%:
+    told, the search may also shape the light work around a sample heavier than a mean
     microbatch and the light work of the slowest replicas is laid on the pipeline's
     profile, which an untold depth does not allow, `pipeline_search.outliers`,
-    `light_work`)."""
+    `light_work`). (Sets told 4 stages used to run slower on 8 than the hedged ones; since
+    the light work is also dealt on every module and from its present shares they run
+    0.1% faster there too: the told depth's profile suits 8 stages.)"""
+    from entrain_data.assignment import entrain as en
+
     spec = ModelSpec.from_names(["qwen2.5-vl-vision"], "llama-3.2-1b")
     c = per_sample_costs(synthesize("multi-image-video", 2048, seed=11), spec)
     enc, llm, tok = c.encoder_cost(), c.llm_cost(), c.llm_tokens.astype(np.int64)
-    t = np.zeros((2, 2))  # [untold, told 4] x [run on 4, run on 8]
+    hedged = en.depth_blind_pricer
+    t = np.zeros((3, 2))  # [untold, untold priced on 4 alone, told 4] x [run on 4, run on 8]
     for it in range(4):
         rows = np.arange(it * 512, (it + 1) * 512)
-        for i, told in enumerate((None, 4)):
+        for i, (told, on_four) in enumerate(((None, False), (None, True), (4, False))):
+            price = (lambda rp: hedged(rp, (4,))) if on_four else hedged
+            monkeypatch.setattr(en, "depth_blind_pricer", price)
             a = assign(enc[rows], llm[rows], tok[rows], dp=4, microbatches=32,
                        iteration=it, pipeline_stages=told)  # fmt: skip
             for j, depth in enumerate((4, 8)):
                 t[i, j] += _time_on(a, enc[rows], llm[rows], depth)
-    assert t[0, 1] < t[1, 1], t
-    assert t[0, 0] <= t[1, 0] * 1.015, t
+    assert t[0, 1] < t[1, 1] * 0.995, t
+    assert t[0, 0] <= t[2, 0] * 1.02, t
 
 
 @pytest.mark.parametrize("frozen", [False, True])

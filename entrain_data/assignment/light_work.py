@@ -195,11 +195,12 @@ def lay_light_work(
     rng: np.random.Generator,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(eidx, lidx)`` with the light samples of the slowest replicas re-laid on their
-    :func:`fluid_profile` (free or within the CV bound) where that shortens the replica's proxy
-    iteration within the caps and the CV bound (the module docstring), then searched once
-    more from there (:func:`.pipeline_search.refine_by_pipeline`, ``rng``'s draws: the heavy
-    samples' slots were found for the old light work; measured at 512 / dp 4 / 32, 0.2-2%
-    more on five rows, none less); the other replicas unchanged. ``stage``: the (ef, lf,
+    :func:`fluid_profile` (free from even or present shares, or within the CV bound) where
+    that shortens the replica's proxy iteration within the caps and the CV bound (the module
+    docstring), then searched once more from there
+    (:func:`.pipeline_search.refine_by_pipeline`, ``rng``'s draws: the heavy samples' slots
+    were found for the old light work; measured at 512 / dp 4 / 32, 0.2-2% more on five
+    rows, none less); the other replicas unchanged. ``stage``: the (ef, lf,
     lb) of :func:`.pipeline_search.stage_costs`; ``cur``: the proxy times [R] of ``(eidx,
     lidx)`` on it (level 2 has them)."""
     m = rp.m
@@ -240,6 +241,8 @@ def lay_light_work(
     # and free from the present shares: from even shares the descent's steps end short of
     # where the heavy samples' slots want the light work (qwen2vl-dynamic with frozen encoders
     # at 4096 / dp 16: that profile ran 0.9-2.1% slower than the present sets on the 8 traced)
+    # (a present share above the aimed caps may stay, as for the bounded one: the deal's
+    # check holds the caps themselves)
     _, from_now = fluid_profile(fh, bh, fl, bl, np.maximum(upper, now), now, None, goal)
     # every profile dealt, on the work alone and on every module: the free ones' sets often
     # end within the CV bound though their fluid's CVs are above the aim (the heavy samples'
@@ -395,8 +398,8 @@ def _deal_columns(sub: Replicas, work, light, by_module: bool) -> tuple[np.ndarr
         return np.ascontiguousarray(work[..., None]), np.ones(work.shape + (1,))
     cols = np.concatenate([sub.module_costs, work[..., None]], axis=2)
     mean = np.where(light[..., None], cols, 0.0).sum(axis=1) / sub.m  # [r, D]
-    inv2 = np.where(mean > 0, 1.0 / np.where(mean > 0, mean, 1.0) ** 2, 0.0)
-    return cols, cols * inv2[:, None, :]
+    safe = np.where(mean > 0, mean, 1.0)[:, None, :]  # divided twice: a tiny mean's square
+    return cols, np.where(mean[:, None, :] > 0, cols / safe / safe, 0.0)  # would underflow
 
 
 def _shares_now(es, ls, ef, with_l, light, m: int) -> np.ndarray:
