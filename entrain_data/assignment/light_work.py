@@ -349,8 +349,8 @@ def _deal(
     rows = np.arange(r_count)
     heavy = sub.valid & ~light
     e2, l2 = np.where(light, -1, es), np.where(light, -1, ls)
-    cols, weight = _deal_columns(sub, work, light, by_module)
-    target = share[..., None] * np.where(light[..., None], cols, 0.0).sum(axis=1)[:, None, :]
+    cols, weight, total = _deal_columns(sub, work, light, by_module)
+    target = share[..., None] * total[:, None, :]
     load = np.zeros_like(target)  # [r, m, D]
     tok = slot_sums(ls, sub.tok.astype(np.float64), heavy, m)
     pat_s = _patch_sizes(sub)
@@ -389,17 +389,21 @@ def _deal(
     return e2, l2
 
 
-def _deal_columns(sub: Replicas, work, light, by_module: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(columns [r, n, D], weights [r, n, D]) :func:`_deal` fills: the work alone (weight 1),
-    or every module and the work, each sample's column weighed by itself over the square of
-    a mean microbatch's light load of that column (the slope of the squared relative
-    deviation a sample adds)."""
+def _deal_columns(sub: Replicas, work, light, by_module: bool):
+    """(columns [r, n, D], weights [r, n, D], light totals [r, D]) :func:`_deal` fills: the
+    work alone (weight 1), or every module and the work, each sample's column weighed by
+    itself over the square of a mean microbatch's light load of that column (the slope of
+    the squared relative deviation a sample adds)."""
+    if by_module:
+        cols = np.concatenate([sub.module_costs, work[..., None]], axis=2)
+    else:
+        cols = np.ascontiguousarray(work[..., None])
+    total = np.where(light[..., None], cols, 0.0).sum(axis=1)  # [r, D]
     if not by_module:
-        return np.ascontiguousarray(work[..., None]), np.ones(work.shape + (1,))
-    cols = np.concatenate([sub.module_costs, work[..., None]], axis=2)
-    mean = np.where(light[..., None], cols, 0.0).sum(axis=1) / sub.m  # [r, D]
+        return cols, np.ones(cols.shape), total
+    mean = total / sub.m
     safe = np.where(mean > 0, mean, 1.0)[:, None, :]  # divided twice: a tiny mean's square
-    return cols, np.where(mean[:, None, :] > 0, cols / safe / safe, 0.0)  # would underflow
+    return cols, np.where(mean[:, None, :] > 0, cols / safe / safe, 0.0), total  # underflows
 
 
 def _shares_now(es, ls, ef, with_l, light, m: int) -> np.ndarray:
