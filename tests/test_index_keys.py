@@ -88,6 +88,21 @@ def test_null_parquet_keys_fall_back_to_table_and_row(tmp_path):
     assert list(t.keys) == ["a", "nulls.parquet:1", "b", "nulls.parquet:3"]
 
 
+def test_a_user_key_spelt_like_a_made_one_is_refused_naming_both_records(tmp_path):
+    """A given key equal to the key the index makes for a null one (``t.parquet:1``) was
+    refused only by the table's check, which named neither record ("2 rows"); now the error
+    names both, in a table and in a metadata file."""
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"id": ["t.parquet:1", None], "text": ["x", "y"]}), path)
+    with pytest.raises(InvalidInput, match=r"'t.parquet:1'.*t.parquet row 0.*t.parquet row 1"):
+        build_index(str(path), progress=False, parquet_columns={"key": "id"})
+    meta = tmp_path / "m.jsonl"
+    rows = [{"id": None, "text": "x"}, {"id": "m.jsonl:1", "text": "y"}]
+    meta.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(InvalidInput, match=r"'m.jsonl:1'.*m.jsonl:1 and .*m.jsonl:2"):
+        build_index(str(meta), progress=False, parquet_columns={"key": "id", "text": "text"})
+
+
 def test_misspelt_parquet_role_is_refused_by_name(tmp_path, capsys):
     """``--column audio_secs=dur`` was stored and silently read as no audio (rc 0)."""
     path = tmp_path / "dur.parquet"

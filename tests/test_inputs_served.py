@@ -94,7 +94,7 @@ def test_same_named_tables_in_two_folders_are_keyed_apart_and_served(tmp_path):
 def test_a_table_beside_colliding_shards_keeps_the_keys_it_had():
     """Rows keyed by their table's name take a path only where table names collide: a rebuilt
     index of shards in two folders plus one table keeps its keys (and data fingerprint)."""
-    from entrain_data.workers.index_builder import _unique_keys
+    from entrain_data.workers.index_keys import unique_keys as _unique_keys
 
     from entrain_data.metadata import SampleMeta
 

@@ -41,7 +41,7 @@ that did not keep its mtime (folders of loose files are not recorded).
 Keys a mapped ``key`` column or field gives are the user's: a repeat is refused naming both
 records, never renamed. Keys the index makes (shard member keys, ``<table>:<row>``,
 ``<metadata file>:<line>``) repeated across files take the file's name, or its path below the
-folder common to them, as a prefix (:func:`_unique_keys`). The result is validated by
+folder common to them, as a prefix (:func:`.index_keys.unique_keys`). The result is validated by
 :class:`~entrain_data.metadata.SampleTable` (unique keys, sizes >= 1...).
 """
 
@@ -58,6 +58,7 @@ from entrain_data.errors import InvalidInput, SampleError
 from entrain_data.metadata import SampleMeta, SampleTable, VisionItem
 
 from . import decode
+from .index_keys import Claimed, claim, unique_keys
 from .loose_files import DirectorySource
 from .metadata_source import MetadataSource, is_metadata_file
 from .source_identity import probe_identity
@@ -70,9 +71,6 @@ __all__ = ["build_index", "index_shard", "index_parquet", "sample_meta_from_memb
 PARQUET_ROLES = ("key", "text", "text_tokens", "image", "audio", "image_height", "image_width",
                  "image_frames", "audio_seconds")  # fmt: skip
 """Roles a Parquet table's columns may be mapped to (module doc); another is a typo, refused."""
-
-Claimed = dict[str, tuple[str, str]]
-"""User keys seen so far: key -> (source, where its record is), to name both of a repeat."""
 
 log = logging.getLogger(__name__)
 
@@ -174,18 +172,6 @@ def _skip(skipped: list[dict[str, str]] | None, key: str, source: str, exc: Exce
         skipped.append({"key": key, "source": source, "error": str(exc)})
 
 
-def _claim(seen: Claimed, key: str, source: str, where: str, column: str) -> None:
-    """A key from the user's key column, once: renamed to stay unique, it would no longer be
-    the user's key (served keys, skip lists), so a repeat is refused naming both records."""
-    first = seen.setdefault(key, (source, where))
-    if first != (source, where):
-        raise InvalidInput(
-            f"duplicate key {key!r} in column {column!r}: {first[1]} and {where} (keys must be "
-            "unique: drop or rename the repeats, or map no key column: keys are then the file's "
-            "name and line or row)"
-        )
-
-
 def index_metadata(
     path: str,
     tokenizer: TextTokenizer,
@@ -198,7 +184,7 @@ def index_metadata(
 ) -> tuple[list[SampleMeta], dict[str, str]]:
     """Records of every record of a metadata file (:mod:`.metadata_source`) and the resolved
     column mapping (stored in the index, so ``serve`` reads the records the same way).
-    ``seen``: the user keys of the files indexed before (:func:`_claim`)."""
+    ``seen``: the user keys of the files indexed before (:func:`.index_keys.claim`)."""
     src = MetadataSource(path, columns, captions)
     seen = {} if seen is None else seen
     made = os.path.basename(path) + ":"  # a record without a key value: "<file>:<line>"
@@ -209,7 +195,7 @@ def index_metadata(
             key = src.key(member)
             line = src.line(member)
             if "key" in src.columns and key.partition("#")[0] != f"{made}{line}":
-                _claim(seen, key, path, f"{path}:{line}", src.columns["key"])
+                claim(seen, key, path, f"{path}:{line}", src.columns["key"])
             members = _read_for_index(src, member)
             out.append(sample_meta_from_members(key, path, member, members, tokenizer))
         except SampleError as exc:
@@ -240,7 +226,7 @@ def index_parquet(
     seen: Claimed | None = None,
 ) -> list[SampleMeta]:
     """Records of every row of a Parquet table, its columns mapped by ``columns`` (module doc).
-    ``seen``: the user keys of the tables indexed before (:func:`_claim`)."""
+    ``seen``: the user keys of the tables indexed before (:func:`.index_keys.claim`)."""
     cols = dict(columns or {})
     seen = {} if seen is None else seen
     unknown = sorted(set(cols) - set(PARQUET_ROLES))
@@ -274,7 +260,7 @@ def index_parquet(
         user = data["key"][row] if "key" in data else None  # a null key: the row's, as metadata
         key = f"{os.path.basename(path)}:{row}" if user is None else str(user)
         if user is not None:
-            _claim(seen, key, path, f"{path} row {row}", cols["key"])
+            claim(seen, key, path, f"{path} row {row}", cols["key"])
         try:
             blobs = row_members({c: data[r][row] for r, c in cols.items()}, cols)
             if "text_tokens" in data:
@@ -307,57 +293,6 @@ def index_parquet(
             if on_error == "raise":
                 raise err from exc
             _skip(skipped, key, path, err)
-    return out
-
-
-def _unique_keys(
-    records: list[SampleMeta], fixed: set[tuple[str, str]] | frozenset = frozenset()
-) -> list[SampleMeta]:
-    """Keys unique across files (module doc). A shard's member keys repeated in another shard
-    take ``<shard name>:``, or the shard's path below the folder common to all of them where
-    names repeat too (``a/000.tar``, ``b/000.tar``). Keys the index made from a file's name
-    (``<table>:<row>``, ``<metadata file>:<line>``) take that path only where they repeat
-    (``en/train-0.parquet:3``, ``a/metadata.jsonl:1``), so a rebuild of any other index keeps
-    its keys (and data fingerprint). ``fixed``: (source, key) of user keys, never renamed."""
-    keys = [r.key for r in records]
-    if len(set(keys)) == len(keys):
-        return records
-    from dataclasses import replace
-
-    def made(r: SampleMeta) -> str | None:
-        """The row or line a key the index made from its file's name ends with, else None."""
-        base = os.path.basename(r.source) + ":"
-        if (r.source, r.key) in fixed or r.key == r.member or not r.key.startswith(base):
-            return None
-        return r.key[len(base) :]
-
-    tails = [r.key for r in records if made(r) is not None]
-    made_collide = len(set(tails)) < len(tails)
-
-    def own(r: SampleMeta) -> str | None:
-        """The part of its key a record keeps under a prefix (None: no prefix)."""
-        if r.member and r.key == r.member and (r.source, r.key) not in fixed:
-            return r.member  # a shard's member key
-        return made(r) if made_collide else None
-
-    def prefixed(name) -> list[SampleMeta]:
-        return [
-            replace(r, key=f"{name(r.source)}:{tail}") if (tail := own(r)) is not None else r
-            for r in records
-        ]
-
-    out = prefixed(os.path.basename)
-    if len({r.key for r in out}) < len(out):
-
-        def where(p: str) -> str:  # object storage: the path inside the bucket's URL
-            return p.split("://", 1)[1] if "://" in p else os.path.abspath(p)
-
-        try:
-            root = os.path.commonpath([where(r.source) for r in records if own(r) is not None])
-            out = prefixed(lambda p: os.path.relpath(where(p), root))
-        except ValueError:  # local paths beside URLs: no common folder
-            out = prefixed(where)
-    log.info("sample keys repeat across files: keys take their file's name or path as prefix")
     return out
 
 
@@ -478,7 +413,7 @@ def build_index(
             bar.close()
     if not records and len(skipped) == skips_before:
         raise _nothing_found(files, notes)
-    records = _unique_keys(records, {(src, k) for k, (src, _) in seen.items()})
+    records = unique_keys(records, {(src, k) for k, (src, _) in seen.items()})
     origin = files[0] if len(files) == 1 else f"{files[0]} (+{len(files) - 1} more)"
     column_map = dict(parquet_columns or {})
     if meta_columns is not None:
