@@ -263,10 +263,14 @@ UNKNOWN_DEPTHS = (2, 4, 8)  # the depths a pick is priced on when the caller giv
 
 
 def depth_blind_pricer(rp: Replicas, depths: tuple[int, ...] = UNKNOWN_DEPTHS):
-    """``price(eidx, lidx) -> [R]``: the mean over ``depths`` of the proxy 1F1B time relative
-    to that depth's even pipeline (every microbatch the same, every stage the same), the
-    price of a candidate when the plan's depth is not known. The per-sample columns, the
-    stage shares and the schedules are computed once for every candidate of one ``rp``.
+    """``price(eidx, lidx, per_depth=False, in_work=False) -> [R]``: the mean over ``depths``
+    of the proxy 1F1B time relative to that depth's even pipeline (every microbatch the
+    same, every stage the same), the price of a candidate when the plan's depth is not
+    known; ``per_depth``: each depth's [D, R]; ``in_work``: relative to the even pipeline's
+    fill and drain alone (the time over ``(m + d - 1) / (m d)``: in the costs' units, so
+    batches of other work compare, as ``max_delay`` compares an iteration with its landing).
+    The per-sample columns, the stage shares and the schedules are computed once for every
+    candidate of one ``rp``.
 
     The fill and drain fall elsewhere at every depth, so sets priced on one depth can lose
     on another: priced on 4 stages and run on 8, entrain trailed the best peer on 8 of 34
@@ -286,22 +290,25 @@ def depth_blind_pricer(rp: Replicas, depths: tuple[int, ...] = UNKNOWN_DEPTHS):
     plans = [
         (
             proxy_stage_shares(laid, d),  # [S, K]
-            work * (m + d - 1) / (m * d) if work > 0 else 1.0,
+            (work * (m + d - 1) / (m * d) if work > 0 else 1.0, (m + d - 1) / (m * d)),
             _topo(m, d),
         )
         for d in depths
     ]
 
-    def price(eidx: np.ndarray, lidx: np.ndarray) -> np.ndarray:
+    def price(eidx, lidx, per_depth: bool = False, in_work: bool = False) -> np.ndarray:
         e_fwd = _loads(eidx, with_e, valid, m)  # [R, M, E]
         l_all = _loads(lidx, with_l, valid, m)  # [R, M, E + 1]
         out = np.zeros(len(valid))
-        for sh, even, topo in plans:
+        each = []
+        for sh, (even, unit), topo in plans:
             l_stage = l_all[..., -1:] * sh[:, -1]  # [R, M, S]
             fwd = e_fwd @ sh[:, :-1].T + _FWD_SHARE * l_stage
             bwd = l_all[..., :-1] @ sh[:, :-1].T + (1 - _FWD_SHARE) * l_stage
-            out += _pipeline_times(fwd, bwd, topo) / even
-        return out / len(plans)
+            t = _pipeline_times(fwd, bwd, topo) / (unit if in_work else even)
+            out += t
+            each.append(t)
+        return np.array(each) if per_depth else out / len(plans)
 
     return price
 
