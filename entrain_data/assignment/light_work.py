@@ -48,9 +48,10 @@ descent stops ``_GOAL_MARGIN`` below the first of them (the iteration cannot get
 it): at 8192 / dp 128 the free profile went on to 4-14% below it and the deal to 2-11%, 75-145
 ms an assignment where it ran; stopped 4% below, 19-70 ms with the same balance bench figures
 (bench/RESULTS.md, twenty-first session). "Slowest" is among the replicas it is given: the stall
-shedding's level 2 of its givers gives it only those. It runs only where the plan's depth
-is told (untold, the proxy's depth is a guess, and a profile fitted to a guessed fill and
-drain is fitted to the wrong pipeline).
+shedding's level 2 of its givers gives it only those. Where the plan's depth is not
+told the proxy's depth is a guess, and a profile fitted to a guessed fill and drain may be
+fitted to the wrong pipeline: the caller (:func:`.entrain._shaped_untold`) fits it on two
+depths and keeps a fit only where no depth it hedges over runs the replica slower.
 """
 
 from __future__ import annotations

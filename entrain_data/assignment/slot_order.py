@@ -19,8 +19,9 @@ changes; a swap is taken only where every sample's E set still runs at or before
 set and the deferral buffer stays within its budget after every boundary. Every round
 each searched replica takes its best swap (all ``m (m - 1) / 2`` priced at once: a swap
 permutes the rows of the replica's [m, S] proxy loads, no slot sum is recomputed), while
-one shortens it. Only where the plan's depth is told: an order fitted to one depth's fill
-and drain can lose on another (:func:`.pipeline_search.depth_blind_pricer`).
+one shortens it. An order fitted to one depth's fill and drain can lose on another: where
+the plan's depth is not told the caller (:func:`.entrain._shaped_untold`) keeps it only where
+no depth of :func:`.pipeline_search.depth_blind_pricer` runs the replica slower.
 """
 
 from __future__ import annotations
