@@ -307,16 +307,18 @@ def _level2(
 
 
 def _shaped_untold(rp: Replicas, eidx, lidx, stage: StageCosts, cur, rng):
-    """Given no depth, the light work and slot order of the slowest replicas laid out as told,
-    once on the default depth's proxy (``stage``, ``cur`` its times) and once on the deepest
-    of :data:`.pipeline_search.UNKNOWN_DEPTHS`; a replica takes the layout whose mean price
-    over those depths is lowest (:func:`.pipeline_search.depth_blind_pricer`), and only where
-    no depth runs it slower than its sets did. A profile fitted to one depth's fill and drain
-    often suits the others, and where it does not, the other fit often does: at 512 / dp 4 /
-    32 untold, the balance bench's mean against the best keeping peer went 1.0250 -> 1.0376
-    run on 4 stages, 1.0165 -> 1.0423 on 8 and 1.0095 -> 1.0156 on 2 (fitted on 4 alone:
-    1.0368, 1.0268, 1.0150; kept on the mean alone, two rows below 1.000 on 8; a third fit on
-    2 stages gained 0.0001 on 2)."""
+    """Given no depth, the light work of the slowest replicas laid out as told, once on the
+    default depth's proxy (``stage``, ``cur`` its times; then their slot order) and once on
+    the deepest of :data:`.pipeline_search.UNKNOWN_DEPTHS`; a replica takes the layout whose
+    mean price over those depths is lowest (:func:`.pipeline_search.depth_blind_pricer`),
+    and only where no depth runs it slower than its sets did. "Slowest" is by that mean
+    price. A profile fitted to one depth's fill and drain often suits the others, and where
+    it does not, the other fit often does: at 512 / dp 4 / 32 untold, the balance bench's
+    mean against the best keeping peer went 1.0250 -> 1.0374 run on 4 stages, 1.0165 ->
+    1.0409 on 8 (fitted on 4 alone: 1.0368, 1.0268; kept on the mean alone, two rows below
+    1.000 on 8; the slot order after the deeper fit too: 1.0376, 1.0423, for 35 more ms an
+    assignment at 8192 / dp 128; slowest by each depth's own proxy: the same at 512 / dp 4,
+    9 more ms at 8192 / dp 128)."""
     price = depth_blind_pricer(rp)
     old = price(eidx, lidx, per_depth=True)
     best_e, best_l, best = eidx, lidx, old.mean(axis=0)
@@ -324,8 +326,11 @@ def _shaped_untold(rp: Replicas, eidx, lidx, stage: StageCosts, cur, rng):
         told = replace(rp, depth_known=True, stages=d)
         st = stage if d == rp.stages else stage_costs(told)
         now = cur if d == rp.stages else proxy_times(told, eidx, lidx, st)
-        e2, l2 = lay_light_work(told, eidx, lidx, st, now, rng)
-        e2, l2 = order_slowest(told, e2, l2, st)
+        e2, l2 = lay_light_work(told, eidx, lidx, st, now, rng, rank=best)
+        if d == rp.stages:
+            e2, l2 = order_slowest(told, e2, l2, st)
+        if np.array_equal(e2, eidx) and np.array_equal(l2, lidx):
+            continue
         new = price(e2, l2, per_depth=True)
         better = (new.mean(axis=0) < best * (1 - 1e-9)) & (new <= old).all(axis=0)
         best_e = np.where(better[:, None], e2, best_e)

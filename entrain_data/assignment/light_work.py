@@ -194,6 +194,7 @@ def lay_light_work(
     stage: tuple[np.ndarray, ...],
     cur: np.ndarray,
     rng: np.random.Generator,
+    rank: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(eidx, lidx)`` with the light samples of the slowest replicas re-laid on their
     :func:`fluid_profile` (free from even or present shares, or within the CV bound) where
@@ -203,16 +204,18 @@ def lay_light_work(
     were found for the old light work; measured at 512 / dp 4 / 32, 0.2-2% more on five
     rows, none less); the other replicas unchanged. ``stage``: the (ef, lf,
     lb) of :func:`.pipeline_search.stage_costs`; ``cur``: the proxy times [R] of ``(eidx,
-    lidx)`` on it (level 2 has them)."""
+    lidx)`` on it (level 2 has them); ``rank`` [R]: what "slowest" means where that is not
+    ``cur`` (the depth-blind price, where the depth is guessed)."""
     m = rp.m
     # under 3 microbatches or on one stage there is no fill and drain to shape around
     if m < 3 or rp.stages < 2 or not rp.depth_known:
         return eidx, lidx
-    slowest = np.argsort(-cur, kind="stable")
+    rank = cur if rank is None else rank
+    slowest = np.argsort(-rank, kind="stable")
     count = min(_FOCUS, len(cur))
-    ceiling = cur[slowest[count]] if count < len(cur) else 0.0  # the first one it cannot help
-    if ceiling >= cur.max() * (1 - _ROOM):
-        return eidx, lidx
+    if count < len(cur) and rank[slowest[count]] >= rank.max() * (1 - _ROOM):
+        return eidx, lidx  # the first one it cannot help is within the room of the slowest
+    ceiling = cur[slowest[count:]].max(initial=0.0)  # the slowest of those left out
     rows = np.sort(slowest[:count])
     peaks = _peaks(rp, eidx, lidx)
     aimed, rp = _capped(rp, peaks, _CAP_AIM), _capped(rp, peaks)
