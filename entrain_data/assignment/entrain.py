@@ -316,7 +316,7 @@ def _shaped_untold(rp: Replicas, eidx, lidx, stage: StageCosts, cur, rng):
     it does not, the other fit often does: at 512 / dp 4 / 32 untold, the balance bench's
     mean against the best keeping peer went 1.0250 -> 1.0374 run on 4 stages, 1.0165 ->
     1.0409 on 8 (fitted on 4 alone: 1.0368, 1.0268; kept on the mean alone, two rows below
-    1.000 on 8; the slot order after the deeper fit too: 1.0376, 1.0423, for 35 more ms an
+    1.000 on 8; the slot order after the deeper fit too: 1.0376, 1.0423, for ~25 more ms an
     assignment at 8192 / dp 128; slowest by each depth's own proxy: the same at 512 / dp 4,
     9 more ms at 8192 / dp 128)."""
     price = depth_blind_pricer(rp)
