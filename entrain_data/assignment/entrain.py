@@ -50,9 +50,9 @@ the proxy pipeline, free or within a CV bound (:mod:`.light_work`), where that i
 every module stays within a random cut's CV and the batch's largest sets within its peaks.
 Last, the slowest replicas' microbatches are put in the order that is fastest on the proxy
 pipeline, by swaps of whole slots that keep every set, the release and the budget
-(:mod:`.slot_order`). Where the depth is not told, both steps are fitted on 4 and on 8
-stages and a replica takes a fit only where none of 2, 4 and 8 stages runs it slower
-(:func:`_shaped_untold`).
+(:mod:`.slot_order`). Where the depth is not told, the light work is fitted on 4 stages
+(then the slot order) and on 8, and a replica takes a fit only where none of 2, 4 and 8
+stages runs it slower (:func:`_shaped_untold`).
 
 Level 1 evens the replicas' module sums, but a replica holding a sample several times a
 mean microbatch stalls 1F1B and runs longer than its sums say. After level 2 such a replica
