@@ -89,8 +89,8 @@ def unique_keys(
 
 
 def _refuse_repeats(records: list[SampleMeta]) -> None:
-    """InvalidInput naming both records of the first key still repeated: only a made key equal
-    to a user's can be (``t.parquet:1`` given beside a null key the index reads as it)."""
+    """InvalidInput naming both records of the first key still repeated after the prefixes (a
+    made key equal to a user's: ``t.parquet:1`` given beside a null key the index reads as it)."""
     first: dict[str, SampleMeta] = {}
     for r in records:
         if (a := first.setdefault(r.key, r)) is not r:
