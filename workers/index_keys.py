@@ -17,6 +17,8 @@ from dataclasses import replace
 from entrain_data.errors import InvalidInput
 from entrain_data.metadata import SampleMeta
 
+from .metadata_source import is_metadata_file, member_line
+
 __all__ = ["Claimed", "claim", "unique_keys"]
 
 Claimed = dict[str, tuple[str, str]]
@@ -106,9 +108,14 @@ def _where(r: SampleMeta) -> str:
     shard's member."""
     if r.row >= 0:
         return f"{r.source} row {r.row}"
-    index, at, place = r.member.partition("@")
-    if at:  # a metadata record, "<index>@<line>:<byte offset>"
-        return f"{r.source}:{place.partition(':')[0]}"
-    if index.isdigit():  # a CSV record (no byte offset)
-        return f"{r.source} record {int(index) + 1}"
+    if is_metadata_file(r.source):
+        try:
+            line = member_line(r.member)
+        except ValueError:
+            line = None
+        if line is not None:
+            return f"{r.source}:{line}"
+        record = r.member.partition("#")[0]
+        if record.isdigit():  # a CSV record: no line in its member
+            return f"{r.source} record {int(record) + 1}"
     return f"{r.source} member {r.member!r}"

@@ -45,7 +45,7 @@ from entrain_data.errors import InvalidInput, SampleError
 from . import storage
 from .decode import member_kind
 
-__all__ = ["METADATA_NAMES", "MetadataSource", "is_metadata_file", "resolve_columns"]
+__all__ = ["METADATA_NAMES", "MetadataSource", "is_metadata_file", "member_line", "resolve_columns"]
 
 METADATA_NAMES = ("metadata.jsonl", "metadata.csv", "metadata.parquet")
 """File names a folder is read through (the ``ImageFolder`` convention), in this order."""
@@ -321,10 +321,13 @@ class MetadataSource:
 
     def line(self, member: str) -> int:
         """The line of the metadata file where the record of ``member`` starts (0 if none)."""
-        head = member.partition("#")[0]
-        rec, _, where = head.partition("@")
         try:
-            return int(where.partition(":")[0]) if where else self._load(int(rec), "")[0]
+            at = member_line(member)
+            return (
+                at
+                if at is not None
+                else self._load(int(member.partition("#")[0].partition("@")[0]), "")[0]
+            )
         except (ValueError, IndexError):
             return 0
 
@@ -449,6 +452,13 @@ class MetadataSource:
 
     def close(self) -> None:
         pass
+
+
+def member_line(member: str) -> int | None:
+    """The line a member names (``<record>@<line>:<byte offset>[#caption]``), None where it
+    names none (a CSV record is ``<record>[#caption]``); ValueError where it is malformed."""
+    where = member.partition("#")[0].partition("@")[2]
+    return int(where.partition(":")[0]) if where else None
 
 
 def _exists(path: str) -> bool:

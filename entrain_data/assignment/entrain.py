@@ -332,10 +332,11 @@ def _shaped_untold(rp: Replicas, eidx, lidx, stage: StageCosts, cur, rng):
         if np.array_equal(e2, eidx) and np.array_equal(l2, lidx):
             continue
         new = price(e2, l2, per_depth=True)
-        better = (new.mean(axis=0) < best * (1 - 1e-9)) & (new <= old).all(axis=0)
+        mean = new.mean(axis=0)
+        better = (mean < best * (1 - 1e-9)) & (new <= old).all(axis=0)
         best_e = np.where(better[:, None], e2, best_e)
         best_l = np.where(better[:, None], l2, best_l)
-        best = np.where(better, new.mean(axis=0), best)
+        best = np.where(better, mean, best)
     return best_e, best_l
 
 

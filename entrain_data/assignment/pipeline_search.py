@@ -299,16 +299,14 @@ def depth_blind_pricer(rp: Replicas, depths: tuple[int, ...] = UNKNOWN_DEPTHS):
     def price(eidx, lidx, per_depth: bool = False, in_work: bool = False) -> np.ndarray:
         e_fwd = _loads(eidx, with_e, valid, m)  # [R, M, E]
         l_all = _loads(lidx, with_l, valid, m)  # [R, M, E + 1]
-        out = np.zeros(len(valid))
         each = []
         for sh, (even, unit), topo in plans:
             l_stage = l_all[..., -1:] * sh[:, -1]  # [R, M, S]
             fwd = e_fwd @ sh[:, :-1].T + _FWD_SHARE * l_stage
             bwd = l_all[..., :-1] @ sh[:, :-1].T + (1 - _FWD_SHARE) * l_stage
-            t = _pipeline_times(fwd, bwd, topo) / (unit if in_work else even)
-            out += t
-            each.append(t)
-        return np.array(each) if per_depth else out / len(plans)
+            each.append(_pipeline_times(fwd, bwd, topo) / (unit if in_work else even))
+        each = np.array(each)  # [D, R]; summed in depth order, as before
+        return each if per_depth else each.sum(axis=0) / len(plans)
 
     return price
 
