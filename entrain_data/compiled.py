@@ -23,13 +23,17 @@ from functools import cache
 __all__ = ["enabled", "jit"]
 
 
-def jit(fn):
+def jit(fn=None, *, inline: bool = False):
     """``fn`` compiled by numba, its machine code cached on disk. Only the twin modules use
     it, and they are imported only when :func:`enabled`: numba's import costs ~0.4 s, paid
-    by the first assignment (or multi-replica simulation) of a process, not by every import."""
+    by the first assignment (or multi-replica simulation) of a process, not by every import.
+    ``@jit(inline=True)``: compiled into each caller (numba's inlining): called once per
+    batch of simulated runs, as a function it cost the light work's probes a quarter of
+    their time."""
     import numba
 
-    return numba.njit(cache=True, nogil=True)(fn)
+    compile_ = numba.njit(cache=True, nogil=True, inline="always" if inline else "never")
+    return compile_ if fn is None else compile_(fn)
 
 
 def enabled() -> bool:

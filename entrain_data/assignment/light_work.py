@@ -130,14 +130,14 @@ def fluid_profile(
 
     def times(a: np.ndarray, g: np.ndarray, keep: np.ndarray | None = None) -> np.ndarray:
         """[g, P]: the probes ``a`` [g, P, m] of rows ``g``, small changes of their present
-        shares (the compiled twin runs each from the first microbatch it changes, and only
-        those ``keep`` [g, P] holds: the others' times are not read)."""
+        shares (the compiled twin runs only those ``keep`` [g, P] holds: the others' times
+        are not read)."""
         if compiled.enabled():
             from .search_kernel import fluid_times  # numba is imported with it
 
             c = np.ascontiguousarray
             keep = np.ones(a.shape[:2], bool) if keep is None else keep
-            return fluid_times(fh[g], bh[g], fl[g], bl[g], c(a), topo, c(share[g]), keep)
+            return fluid_times(fh[g], bh[g], fl[g], bl[g], c(a), topo, keep)
         p = a.shape[1]
         f = fh[g, None] + a[..., None] * fl[g, None, None]
         b = bh[g, None] + a[..., None] * bl[g, None, None]

@@ -2,10 +2,9 @@
 
 numpy prices a round's ``m (m - 1) / 2`` swaps of every searched replica as [A, P, m, S]
 gathers: about 40 ms an assignment at 8192 / dp 128, most of it numpy's per-call cost.
-Here each swap is one loop, and its 1F1B run starts at the first op of the earlier of the
-two microbatches it moves (the ops before it end as in the current order's run: the
-same values, :func:`.search_kernel.fluid_times` does the same). Results are identical to
-the numpy path: every time comes from the same max/+ sequence, the buffer's running sum
+Here each swap is one loop, and the swaps that keep every E set before its L set and the
+buffer within its budget run side by side (:func:`.search_kernel._run_lanes`). Results are
+identical to the numpy path: every time comes from the same max/+ sequence, the buffer's running sum
 adds in the same order, and ties go to the first swap in ``numpy.triu_indices`` order.
 ``tests/test_compiled.py`` compares the two.
 """
@@ -15,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..compiled import jit
-from .search_kernel import _first_ops, _ops, _run
+from .search_kernel import _LANES, _fill_lane, _lanes, _run_lanes
 
 __all__ = ["swap_rounds"]
 
@@ -30,14 +29,9 @@ def swap_rounds(
     entering and leaving the buffer at each old slot; ``t_now`` [A] the current times)."""
     a_count, m, s_count = fwd.shape
     n = e_enc.shape[1]
-    n_ops = topo.shape[0]
-    prev, dep, load, last = _ops(topo, m, s_count)
-    first_op = _first_ops(topo, m)  # a microbatch's first op in the schedule
+    prev, dep, load, last, lanes, ends, lane_t, held = _lanes(topo, m, s_count)
     perm = np.empty((a_count, m), np.int64)
     times = np.empty((2, m, s_count))
-    flat = times.reshape(-1)
-    ends = np.zeros(n_ops + 1)
-    ends_base = np.zeros(n_ops + 1)
     inv = np.empty(m, np.int64)
     feeds = np.zeros((m, m), np.bool_)
     for r in range(a_count):
@@ -45,52 +39,30 @@ def swap_rounds(
             perm[r, x] = x
         t_cur = t_now[r]
         for _ in range(rounds):
-            for x in range(m):  # the current order's loads and run
+            for x in range(m):  # the current order's loads
                 inv[perm[r, x]] = x
             for y in range(m):
                 times[0, y] = fwd[r, inv[y]]
                 times[1, y] = bwd[r, inv[y]]
-            _run(prev, dep, load, last, flat, ends_base, 0)
-            ends[:] = ends_base
             feeds[:, :] = False  # feeds[x, y]: a sample encoded at slot x waits for slot y
             for i in range(n):
                 if enc[r, i]:
                     feeds[perm[r, e_enc[r, i]], perm[r, l_enc[r, i]]] = True
-            best_t, best_a, best_b = np.inf, -1, -1
+            best_t, best_a, best_b, count = np.inf, -1, -1, 0
             for a in range(m):
                 for b in range(a + 1, m):
-                    # swapping a < b puts an L set before its E set only where a sample goes
-                    # from slot a to a slot up to b, or to slot b from a slot from a on
-                    late = False
-                    for y in range(a + 1, b + 1):
-                        if feeds[a, y]:
-                            late = True
-                            break
-                    if not late:
-                        for x in range(a, b):
-                            if feeds[x, b]:
-                                late = True
-                                break
-                    if late:
-                        continue
-                    if use_budget:
-                        held = 0.0
-                        over = False
-                        for y in range(m):
-                            o = inv[b] if y == a else (inv[a] if y == b else inv[y])
-                            held = held + (flow_in[r, o] - flow_out[r, o])
-                            if np.rint(held) > budget:
-                                over = True
-                                break
-                        if over:
-                            continue
-                    _swap_rows(times, a, b)
-                    start = min(first_op[a], first_op[b])
-                    t = _run(prev, dep, load, last, flat, ends, start)
-                    _swap_rows(times, a, b)
-                    ends[start:n_ops] = ends_base[start:n_ops]
-                    if t < best_t:
-                        best_t, best_a, best_b = t, a, b
+                    if _allowed(a, b, feeds, inv, flow_in[r], flow_out[r], budget, use_budget):
+                        _swap_rows(times, a, b)
+                        _fill_lane(lanes, count, times[0], times[1])
+                        _swap_rows(times, a, b)
+                        held[count] = a * m + b
+                        count += 1
+                    if count == _LANES or (count > 0 and a == m - 2):
+                        _run_lanes(prev, dep, load, last, lanes, ends, count, lane_t)
+                        for c in range(count):  # the first of equal times, in triu order
+                            if lane_t[c] < best_t:
+                                best_t, best_a, best_b = lane_t[c], held[c] // m, held[c] % m
+                        count = 0
             if best_a < 0 or not best_t < t_cur * (1 - 1e-9):
                 break
             for x in range(m):
@@ -98,6 +70,28 @@ def swap_rounds(
                 perm[r, x] = best_b if v == best_a else (best_a if v == best_b else v)
             t_cur = best_t
     return perm
+
+
+@jit
+def _allowed(a, b, feeds, inv, flow_in, flow_out, budget, use_budget):
+    """Whether swapping slots ``a < b`` keeps every sample's E set at or before its L set
+    and the buffer within ``budget`` after every boundary (``inv``: old slot at each slot)."""
+    # it puts an L set before its E set only where a sample goes from slot a to a slot up
+    # to b, or to slot b from a slot from a on
+    for y in range(a + 1, b + 1):
+        if feeds[a, y]:
+            return False
+    for x in range(a, b):
+        if feeds[x, b]:
+            return False
+    if use_budget:
+        held = 0.0
+        for y in range(inv.shape[0]):
+            o = inv[b] if y == a else (inv[a] if y == b else inv[y])
+            held = held + (flow_in[o] - flow_out[o])
+            if np.rint(held) > budget:
+                return False
+    return True
 
 
 @jit
