@@ -397,6 +397,15 @@ def test_fluid_profile_compiled_equals_numpy(seed):
     upper = rng.uniform(1.5 / m, 4.0 / m, (r_count, m))
     (t_np, a_np), (t_c, a_c) = _both(lambda: fluid_profile(fh, 2 * fh, fl, 2 * fl, upper))
     assert np.array_equal(t_np, t_c) and np.array_equal(a_np, a_c)
+    # from uneven shares, a replica stopping at its goal (the compiled descent is one loop)
+    uneven = rng.dirichlet(np.ones(m), r_count)
+    goal = np.array([t_np[0] * 1.5, 0.0, t_np[2] * 0.999])
+
+    def from_uneven():
+        return fluid_profile(fh, 2 * fh, fl, 2 * fl, upper, uneven.copy(), None, goal)
+
+    (t_np, a_np), (t_c, a_c) = _both(from_uneven)
+    assert np.array_equal(t_np, t_c) and np.array_equal(a_np, a_c)
     # within a CV bound that turns moves away (the compiled probes skip those)
     hk, lk = rng.uniform(0.0, 2.0, (r_count, m, 2)), rng.uniform(1.0, 4.0, (r_count, 2))
     start = np.full((r_count, m), 1.0 / m)

@@ -133,7 +133,7 @@ def fluid_profile(
         shares (the compiled twin runs only those ``keep`` [g, P] holds: the others' times
         are not read)."""
         if compiled.enabled():
-            from .search_kernel import fluid_times  # numba is imported with it
+            from .fluid_kernel import fluid_times  # numba is imported with it
 
             c = np.ascontiguousarray
             keep = np.ones(a.shape[:2], bool) if keep is None else keep
@@ -144,11 +144,18 @@ def fluid_profile(
         shape = (len(g) * p, m, s_count)
         return _pipeline_times(f.reshape(shape), b.reshape(shape), topo).reshape(len(g), p)
 
+    goal = np.zeros(r_count) if goal is None else goal
+    if spread is None and compiled.enabled():  # the whole descent compiled
+        from .fluid_kernel import fluid_descent  # numba is imported with it
+
+        min_step = _SLOPE_STEP / m / 2**_HALVINGS
+        cur = fluid_descent(fh, bh, fl, bl, upper, share, goal, topo, _STEPS, _PAIRS, _TRIES,
+                            min_step, _SLOPE_STEP / m)  # fmt: skip
+        return cur, share
     cur = times(share[:, None], np.arange(r_count))[:, 0]
     step = np.full(r_count, _SLOPE_STEP / m)
     k = min(_PAIRS, m)
     eye = np.eye(m)
-    goal = np.zeros(r_count) if goal is None else goal
     for _ in range(_STEPS):
         g = np.flatnonzero((step >= _SLOPE_STEP / m / 2**_HALVINGS) & (cur > goal))
         if len(g) == 0:

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..compiled import jit
 
-__all__ = ["deal_light", "fluid_times", "proxy_loads", "recurrence", "search_round"]
+__all__ = ["deal_light", "proxy_loads", "recurrence", "search_round"]
 
 
 @jit
@@ -122,36 +122,6 @@ def recurrence(fwd, bwd, topo):
             _fill_lane(times, c, fwd[r0 + c], bwd[r0 + c])
         _run_lanes(prev, dep, load, last, times, ends, count, lane_t)
         out[r0 : r0 + count] = lane_t[:count]
-    return out
-
-
-@jit
-def fluid_times(fh, bh, fl, bl, shares, topo, keep):
-    """[R, P] iteration times of the forward loads ``fh + share * fl`` and backward loads
-    ``bh + share * bl`` for every [R, P, M] share (``fh``, ``bh`` [R, M, S]; ``fl``, ``bl``
-    [R, S]): :func:`.light_work.fluid_profile`'s probes, without building the [R, P, M, S]
-    loads (numpy's path builds them, with the same products and sums). A probe ``keep``
-    [R, P] does not hold is not run (its time is left infinite)."""
-    r_count, p_count, m = shares.shape
-    s_count = fh.shape[2]
-    prev, dep, load, last, times, ends, lane_t, held = _lanes(topo, m, s_count)
-    out = np.full((r_count, p_count), np.inf)
-    for r in range(r_count):
-        count = 0
-        for p in range(p_count):
-            if keep[r, p]:
-                for j in range(m):
-                    a = shares[r, p, j]
-                    for s in range(s_count):
-                        times[j * s_count + s, count] = fh[r, j, s] + a * fl[r, s]
-                        times[(m + j) * s_count + s, count] = bh[r, j, s] + a * bl[r, s]
-                held[count] = p
-                count += 1
-            if count == _LANES or (count > 0 and p == p_count - 1):
-                _run_lanes(prev, dep, load, last, times, ends, count, lane_t)
-                for c in range(count):
-                    out[r, held[c]] = lane_t[c]
-                count = 0
     return out
 
 

@@ -1,0 +1,220 @@
+"""Compiled twins of :func:`.light_work.fluid_profile`'s probes and descent (numba, when
+installed).
+
+The descent prices ~140 probes a step (every microbatch's slope both ways, then 108 moves)
+for 32 steps on 16 replicas: on the rows whose light work is laid (``multi-image-video``,
+``text-heavy`` with the 1280-token cap at 8192 / dp 128) it was the largest part of an
+assignment, a third of it numpy's per-call cost around the simulated runs. Here a step is
+one loop; the probes run side by side (:func:`.search_kernel._run_lanes`), grouped by the
+first op they change, latest first, so each group starts there: the ops before it end as
+the step's current shares' run does (every lane starts the step holding that run, and a
+later group never writes an op an earlier one reads). Results are identical to the numpy
+path: every probe is built and run with the same products, sums and maxima, the moves are
+drawn in the same order (stable ties) and the first of equal times wins, as numpy's
+argmin. ``tests/test_compiled.py`` compares the two.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..compiled import jit
+from .search_kernel import _LANES, _lanes, _run_lanes
+
+__all__ = ["fluid_descent", "fluid_times"]
+
+
+@jit
+def fluid_times(fh, bh, fl, bl, shares, topo, keep):
+    """[R, P] iteration times of the forward loads ``fh + share * fl`` and backward loads
+    ``bh + share * bl`` for every [R, P, M] share (``fh``, ``bh`` [R, M, S]; ``fl``, ``bl``
+    [R, S]): :func:`.light_work.fluid_profile`'s probes, without building the [R, P, M, S]
+    loads (numpy's path builds them, with the same products and sums). A probe ``keep``
+    [R, P] does not hold is not run (its time is left infinite)."""
+    r_count, p_count, m = shares.shape
+    s_count = fh.shape[2]
+    prev, dep, load, last, times, ends, lane_t, held = _lanes(topo, m, s_count)
+    out = np.full((r_count, p_count), np.inf)
+    for r in range(r_count):
+        count = 0
+        for p in range(p_count):
+            if keep[r, p]:
+                _fill_probe(times, count, fh[r], bh[r], fl[r], bl[r], shares[r, p])
+                held[count] = p
+                count += 1
+            if count == _LANES or (count > 0 and p == p_count - 1):
+                _run_lanes(prev, dep, load, last, times, ends, count, lane_t)
+                for c in range(count):
+                    out[r, held[c]] = lane_t[c]
+                count = 0
+    return out
+
+
+@jit(inline=True)
+def _fill_probe(times, c, fh, bh, fl, bl, share):
+    """Lane ``c`` of ``times``: the loads ``fh + share * fl`` forward, ``bh + share * bl``
+    backward ([M, S] and [S]; ``share`` [M])."""
+    m, s_count = fh.shape
+    for j in range(m):
+        a = share[j]
+        for s in range(s_count):
+            times[j * s_count + s, c] = fh[j, s] + a * fl[s]
+            times[(m + j) * s_count + s, c] = bh[j, s] + a * bl[s]
+
+
+@jit
+def fluid_descent(fh, bh, fl, bl, upper, share, goal, topo, steps, pairs, tries, min_step, step0):
+    """[R] times; ``share`` [R, M] updated in place: :func:`.light_work.fluid_profile`'s
+    descent without a CV bound (``steps``, ``pairs``, ``tries`` its ``_STEPS``, ``_PAIRS``,
+    ``_TRIES``; a replica stops once its slope step, from ``step0``, falls below
+    ``min_step``, or once its time is at most ``goal`` [R]). A probe changes one or two
+    microbatches' shares (``moved`` [P, 2], -1 for none; ``value`` [P, 2] their new
+    shares): the others' loads are the current shares' (numpy's ``a + 0`` and ``max(a,
+    0)`` of a share >= 0 give the same loads)."""
+    r_count, m, s_count = fh.shape
+    prev, dep, load, last, times, ends, lane_t, held = _lanes(topo, m, s_count)
+    first = _first_ops(topo, m)
+    k = min(pairs, m)
+    n_probes = 2 * m + k * k * tries.shape[0]  # the slope probes, then the moves
+    moved = np.full((n_probes, 2), -1, np.int64)
+    value = np.zeros((n_probes, 2))
+    starts = np.empty(n_probes, np.int64)  # the first op each changes
+    got = np.empty(n_probes)
+    add_order, take_order = np.empty(m, np.int64), np.empty(m, np.int64)
+    cost = np.empty(m)
+    cur = np.empty(r_count)
+    for r in range(r_count):
+        a = share[r].copy()
+        _fill_probe(times, 0, fh[r], bh[r], fl[r], bl[r], a)
+        _run_lanes(prev, dep, load, last, times, ends, 1, lane_t)
+        cur[r] = lane_t[0]
+        step = step0
+        for _ in range(steps):
+            if not (step >= min_step and cur[r] > goal[r]):
+                break
+            for j in range(m):  # every microbatch's slope: a small share added, removed
+                moved[j, 0] = moved[m + j, 0] = j
+                value[j, 0] = a[j] + step
+                value[m + j, 0] = a[j] - min(step, a[j])
+                starts[j] = starts[m + j] = first[j]
+            _run_probes(prev, dep, load, last, times, ends, lane_t, held, fh[r], bh[r],
+                        fl[r], bl[r], a, moved, value, starts, 0, 2 * m, got)  # fmt: skip
+            for j in range(m):
+                cost[j] = got[j] if upper[r, j] - a[j] > 1e-12 else np.inf
+            _smallest(cost, k, add_order)
+            for j in range(m):
+                cost[j] = got[m + j] if a[j] > 1e-12 else np.inf
+            _smallest(cost, k, take_order)
+            q = 2 * m
+            for p in range(k * k):  # from each of the k best sources to each of the k best
+                src, dst = take_order[p // k], add_order[p % k]
+                most = min(a[src], upper[r, dst] - a[dst])
+                most = 0.0 if src == dst else max(most, 0.0)
+                for t in range(tries.shape[0]):
+                    amount = most * tries[t]
+                    # numpy's order: taken from the source, then added to the sink
+                    if src == dst:
+                        moved[q, 0], moved[q, 1] = src, -1
+                        value[q, 0] = max(a[src] - amount + amount, 0.0)
+                    else:
+                        moved[q, 0], moved[q, 1] = src, dst
+                        value[q, 0] = max(a[src] - amount, 0.0)
+                        value[q, 1] = max(a[dst] + amount, 0.0)
+                    starts[q] = min(first[src], first[dst])
+                    q += 1
+            _run_probes(prev, dep, load, last, times, ends, lane_t, held, fh[r], bh[r],
+                        fl[r], bl[r], a, moved, value, starts, 2 * m, q, got)  # fmt: skip
+            best = 2 * m
+            for p in range(2 * m + 1, q):
+                if got[p] < got[best]:
+                    best = p
+            if got[best] < cur[r] * (1 - 1e-9):
+                for h in range(2):
+                    if moved[best, h] >= 0:
+                        a[moved[best, h]] = value[best, h]
+                cur[r] = got[best]
+            else:
+                step = step / 2
+        share[r] = a
+    return cur
+
+
+@jit(inline=True)
+def _run_probes(prev, dep, load, last, times, ends, lane_t, held, fh, bh, fl, bl, a, moved,
+                value, starts, lo, hi, got):  # fmt: skip
+    """``got[lo:hi]``: the times of probes ``lo`` to ``hi`` of one replica (``moved``,
+    ``value``: see :func:`fluid_descent`), each run from its ``starts`` op on: every lane
+    first holds the loads and the run of the current shares ``a``, then the probes run
+    side by side, latest start first, each lane's changed microbatches put back after."""
+    n_ops = prev.shape[0]
+    for c in range(_LANES):
+        _fill_probe(times, c, fh, bh, fl, bl, a)
+    _run_lanes(prev, dep, load, last, times, ends, _LANES, lane_t)
+    order = lo + np.argsort(-starts[lo:hi], kind="mergesort")
+    count = 0
+    for i in range(order.shape[0]):
+        p = order[i]
+        for h in range(2):
+            j = moved[p, h]
+            if j >= 0:
+                _fill_row(times, count, fh, bh, fl, bl, j, value[p, h])
+        held[count] = p
+        count += 1
+        if count == _LANES or i == order.shape[0] - 1:
+            start = starts[held[count - 1]]  # the batch's earliest
+            _run_from(prev, dep, load, last, times, ends, count, lane_t, start, n_ops)
+            for c in range(count):
+                got[held[c]] = lane_t[c]
+                for h in range(2):  # the lane holds the current shares' loads again
+                    j = moved[held[c], h]
+                    if j >= 0:
+                        _fill_row(times, c, fh, bh, fl, bl, j, a[j])
+            count = 0
+
+
+@jit(inline=True)
+def _fill_row(times, c, fh, bh, fl, bl, j, share):
+    """Microbatch ``j``'s loads in lane ``c`` of ``times`` at ``share`` of the light work."""
+    m, s_count = fh.shape
+    for s in range(s_count):
+        times[j * s_count + s, c] = fh[j, s] + share * fl[s]
+        times[(m + j) * s_count + s, c] = bh[j, s] + share * bl[s]
+
+
+@jit(inline=True)
+def _run_from(prev, dep, load, last, times, ends, count, out, start, n_ops):
+    """:func:`.search_kernel._run_lanes` from op ``start`` on (the ops before it end as
+    ``ends`` holds them)."""
+    for i in range(start, n_ops):
+        p, d, x = prev[i], dep[i], load[i]
+        for c in range(count):
+            ends[i, c] = max(ends[p, c], ends[d, c]) + max(times[x, c], 0.0)
+    for c in range(count):
+        t = ends[last[0], c]
+        for s in range(1, last.shape[0]):
+            t = max(t, ends[last[s], c])
+        out[c] = t
+
+
+@jit
+def _smallest(values, k, out):
+    """``out[:k]``: the indices of the ``k`` smallest ``values``, ties by index (a stable
+    argsort's first ``k``)."""
+    taken = np.zeros(values.shape[0], np.bool_)
+    for i in range(k):
+        best = -1
+        for j in range(values.shape[0]):
+            if not taken[j] and (best < 0 or values[j] < values[best]):
+                best = j
+        taken[best] = True
+        out[i] = best
+
+
+@jit
+def _first_ops(topo, m):
+    """[M] the index of every microbatch's first op in the schedule ``topo`` [N, 3]: a run
+    that changes microbatches from j on may start there (the ops before end alike)."""
+    first = np.full(m, topo.shape[0], np.int64)
+    for i in range(topo.shape[0]):
+        first[topo[i, 2]] = min(first[topo[i, 2]], i)
+    return first
