@@ -3,6 +3,7 @@
 The assignment's inner loops (the pipeline search's rounds, the greedy set builders)
 run over a few hundred elements at a time, where numpy's per-call cost, not arithmetic,
 is the time. Their compiled twins (:mod:`.assignment.search_kernel`,
+:mod:`.assignment.fluid_kernel`, :mod:`.assignment.order_kernel`,
 :mod:`.assignment.sets_kernel`, :mod:`.assignment.split_kernel`) loop element by element
 and return exactly what the numpy code returns (same draws, same order of every float
 operation, the same tie-breaks); ``tests/test_compiled.py`` compares the two.
