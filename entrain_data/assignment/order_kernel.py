@@ -3,9 +3,12 @@
 numpy prices a round's ``m (m - 1) / 2`` swaps of every searched replica as [A, P, m, S]
 gathers: about 40 ms an assignment at 8192 / dp 128, most of it numpy's per-call cost.
 Here each swap is one loop, and the swaps that keep every E set before its L set and the
-buffer within its budget run side by side (:func:`.search_kernel._run_lanes`). Results are
-identical to the numpy path: every time comes from the same max/+ sequence, the buffer's running sum
-adds in the same order, and ties go to the first swap in ``numpy.triu_indices`` order.
+buffer within its budget run side by side (:func:`.search_kernel._run_lanes`), from the
+first op of the earlier slot they exchange: the lanes hold the current order's loads and
+run, and each swap writes its two slots and puts them back, as :mod:`.fluid_kernel`'s
+probes do (2% off an assignment at 8192 / dp 128). Results are identical to the numpy path:
+every time comes from the same max/+ sequence, the buffer's running sum adds in the same
+order, and ties go to the first swap in ``numpy.triu_indices`` order.
 ``tests/test_compiled.py`` compares the two.
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..compiled import jit
+from .fluid_kernel import _first_ops, _run_from
 from .search_kernel import _LANES, _fill_lane, _lanes, _run_lanes
 
 __all__ = ["swap_rounds"]
@@ -34,6 +38,10 @@ def swap_rounds(
     times = np.empty((2, m, s_count))
     inv = np.empty(m, np.int64)
     feeds = np.zeros((m, m), np.bool_)
+    first = _first_ops(topo, m)
+    pairs = np.empty(m * (m - 1) // 2, np.int64)
+    starts = np.empty(m * (m - 1) // 2, np.int64)
+    got = np.empty(m * (m - 1) // 2)
     for r in range(a_count):
         for x in range(m):
             perm[r, x] = x
@@ -48,21 +56,19 @@ def swap_rounds(
             for i in range(n):
                 if enc[r, i]:
                     feeds[perm[r, e_enc[r, i]], perm[r, l_enc[r, i]]] = True
-            best_t, best_a, best_b, count = np.inf, -1, -1, 0
+            count = 0  # the allowed swaps, and the first op each changes
             for a in range(m):
                 for b in range(a + 1, m):
                     if _allowed(a, b, feeds, inv, flow_in[r], flow_out[r], budget, use_budget):
-                        _swap_rows(times, a, b)
-                        _fill_lane(lanes, count, times[0], times[1])
-                        _swap_rows(times, a, b)
-                        held[count] = a * m + b
+                        pairs[count] = a * m + b
+                        starts[count] = min(first[a], first[b])
                         count += 1
-                    if count == _LANES or (count > 0 and a == m - 2):
-                        _run_lanes(prev, dep, load, last, lanes, ends, count, lane_t)
-                        for c in range(count):  # the first of equal times, in triu order
-                            if lane_t[c] < best_t:
-                                best_t, best_a, best_b = lane_t[c], held[c] // m, held[c] % m
-                        count = 0
+            _run_swaps(prev, dep, load, last, lanes, ends, lane_t, held, times, pairs[:count],
+                       starts[:count], got)  # fmt: skip
+            best_t, best_a, best_b = np.inf, -1, -1
+            for i in range(count):  # the first of equal times, in triu order
+                if got[i] < best_t:
+                    best_t, best_a, best_b = got[i], pairs[i] // m, pairs[i] % m
             if best_a < 0 or not best_t < t_cur * (1 - 1e-9):
                 break
             for x in range(m):
@@ -70,6 +76,45 @@ def swap_rounds(
                 perm[r, x] = best_b if v == best_a else (best_a if v == best_b else v)
             t_cur = best_t
     return perm
+
+
+@jit(inline=True)
+def _run_swaps(prev, dep, load, last, lanes, ends, lane_t, held, times, pairs, starts, got):
+    """``got[i]``: the time of the current order ``times`` [2, m, S] with the slots of
+    ``pairs[i]`` (``a * m + b``) exchanged, each run from its ``starts`` op on: every lane
+    first holds the current order's loads and run, then the swaps run side by side, latest
+    start first, each lane's two slots put back after."""
+    m = times.shape[1]
+    for c in range(_LANES):
+        _fill_lane(lanes, c, times[0], times[1])
+    _run_lanes(prev, dep, load, last, lanes, ends, _LANES, lane_t)
+    order = np.argsort(-starts, kind="mergesort")
+    count = 0
+    for i in range(order.shape[0]):
+        p = order[i]
+        a, b = pairs[p] // m, pairs[p] % m
+        _put_slot(lanes, count, times, a, b)
+        _put_slot(lanes, count, times, b, a)
+        held[count] = p
+        count += 1
+        if count == _LANES or i == order.shape[0] - 1:
+            start = starts[held[count - 1]]  # the batch's earliest
+            _run_from(prev, dep, load, last, lanes, ends, count, lane_t, start, prev.shape[0])
+            for c in range(count):
+                got[held[c]] = lane_t[c]
+                a, b = pairs[held[c]] // m, pairs[held[c]] % m
+                _put_slot(lanes, c, times, a, a)
+                _put_slot(lanes, c, times, b, b)
+            count = 0
+
+
+@jit(inline=True)
+def _put_slot(lanes, c, times, slot, src):
+    """Lane ``c``'s loads at ``slot``: those of slot ``src`` of ``times`` [2, m, S]."""
+    m, s_count = times.shape[1], times.shape[2]
+    for s in range(s_count):
+        lanes[slot * s_count + s, c] = times[0, src, s]
+        lanes[(m + slot) * s_count + s, c] = times[1, src, s]
 
 
 @jit
@@ -92,11 +137,3 @@ def _allowed(a, b, feeds, inv, flow_in, flow_out, budget, use_budget):
             if np.rint(held) > budget:
                 return False
     return True
-
-
-@jit
-def _swap_rows(times, a, b):
-    """Exchange microbatches ``a`` and ``b`` of the [2, m, S] forward and backward loads."""
-    for k in range(2):
-        for s in range(times.shape[2]):
-            times[k, a, s], times[k, b, s] = times[k, b, s], times[k, a, s]
