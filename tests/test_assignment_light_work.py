@@ -279,11 +279,8 @@ def test_batches_without_outliers_run_shorter_and_stay_more_even_than_a_blind_cu
     assert largest[0] <= largest[1]
 
 
-@pytest.mark.parametrize(("dp", "m", "stages"), [(2, 2, 4), (2, 8, 1), (32, 8, 4)])
-def test_where_it_cannot_help_the_sets_are_returned_as_they_are(dp, m, stages):
-    """Under 3 microbatches or on one stage there is no fill and drain to shape; with more
-    replicas than it lays out and the first one left out as slow as the slowest (every
-    replica holds the same samples here) the iteration cannot get shorter."""
+def _alike_replicas(dp, m, stages):
+    """``dp`` replicas holding the same samples, dealt round robin: (rp, eidx, stage, cur)."""
     rng = np.random.default_rng(0)
     per = 16 * m
     enc = np.tile(rng.lognormal(0, 0.3, per), dp)
@@ -293,9 +290,38 @@ def test_where_it_cannot_help_the_sets_are_returned_as_they_are(dp, m, stages):
     rp = en.replicas_of(x, np.arange(dp * per).reshape(dp, per))
     eidx = np.tile(np.arange(per) % m, (dp, 1))
     stage = stage_costs(rp)
-    cur = proxy_times(rp, eidx, eidx, stage)
+    return rp, eidx, stage, proxy_times(rp, eidx, eidx, stage)
+
+
+@pytest.mark.parametrize(("dp", "m", "stages"), [(2, 2, 4), (2, 8, 1), (32, 8, 4)])
+def test_where_it_cannot_help_the_sets_are_returned_as_they_are(dp, m, stages):
+    """Under 3 microbatches or on one stage there is no fill and drain to shape; with more
+    replicas than it lays out and the first one left out as slow as the slowest (every
+    replica holds the same samples here) the iteration cannot get shorter."""
+    rp, eidx, stage, cur = _alike_replicas(dp, m, stages)
     e2, l2 = lay_light_work(rp, eidx, eidx, stage, cur, np.random.default_rng(0))
     assert e2 is eidx and l2 is eidx
+
+
+def test_untold_a_fit_is_not_laid_where_its_own_depth_cannot_get_shorter(monkeypatch):
+    """Ranked by a depth-blind price (the depth untold), replicas that run alike on the
+    depth the fit is for may still spread: the fit is not even tried there (the iteration
+    on that depth cannot get shorter), and it is where that depth's times spread too."""
+    from entrain_data.assignment import light_work
+
+    rp, eidx, stage, cur = _alike_replicas(32, 8, 4)
+    spread = np.linspace(1.0, 1.05, len(cur))  # 5% between the replicas, 3.4% at the 17th
+    rank = cur * spread
+
+    def tried(*args, **kwargs):
+        raise RuntimeError("the profile was fitted")
+
+    monkeypatch.setattr(light_work, "fluid_profile", tried)
+    rng = np.random.default_rng(0)
+    e2, l2 = lay_light_work(rp, eidx, eidx, stage, cur, rng, rank=rank)
+    assert e2 is eidx and l2 is eidx
+    with pytest.raises(RuntimeError, match="fitted"):
+        lay_light_work(rp, eidx, eidx, stage, cur * spread, rng, rank=rank)
 
 
 @settings(max_examples=40, deadline=None)

@@ -312,7 +312,8 @@ def _shaped_untold(rp: Replicas, eidx, lidx, stage: StageCosts, cur, rng):
     the deepest of :data:`.pipeline_search.UNKNOWN_DEPTHS`; a replica takes the layout whose
     mean price over those depths is lowest (:func:`.pipeline_search.depth_blind_pricer`),
     and only where no depth runs it slower than its sets did. "Slowest" is by that mean
-    price. A profile fitted to one depth's fill and drain often suits the others, and where
+    price, and a fit is not laid where its own depth's iteration cannot get shorter
+    (:mod:`.light_work`'s room). A profile fitted to one depth's fill and drain often suits the others, and where
     it does not, the other fit often does: at 512 / dp 4 / 32 untold, the balance bench's
     mean against the best keeping peer went 1.0250 -> 1.0374 run on 4 stages, 1.0165 ->
     1.0409 on 8 (fitted on 4 alone: 1.0368, 1.0268; kept on the mean alone, two rows below

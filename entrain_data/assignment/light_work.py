@@ -43,7 +43,12 @@ waits for its slowest replica, so it runs on the slowest replicas only: at most 
 and not at all where the first replica left out runs within ``_ROOM`` of the slowest (the
 iteration could not get shorter by more; at 8192 / dp 128, on 8 replicas holding outliers,
 it cost 30-45 ms an assignment for 0.1-0.5% on a few rows; at 4096 / dp 16 on all 16 it
-takes the assignment from 49 to 121-124 ms). Where replicas are left out, each profile's
+takes the assignment from 49 to 121-124 ms). Where "slowest" is by a depth-blind price (the
+depth untold), that holds by the price and by the fitted depth's own times alike: a fit to a
+depth on which the iteration cannot get shorter is not laid (at 8192 / dp 128 untold, most
+rows' replicas run within 0.4% of each other on 4 stages: skipping that fit took
+``qwen2vl-dynamic``/vl-1b from 83 to 66 ms an assignment, the balance bench's mean 1.0404 ->
+1.0402 run on 4 stages and 1.0266 -> 1.0257 on 8). Where replicas are left out, each profile's
 descent stops ``_GOAL_MARGIN`` below the first of them (the iteration cannot get shorter than
 it): at 8192 / dp 128 the free profile went on to 4-14% below it and the deal to 2-11%, 75-145
 ms an assignment where it ran; stopped 4% below, 19-70 ms with the same balance bench figures
@@ -212,7 +217,8 @@ def lay_light_work(
     rows, none less); the other replicas unchanged. ``stage``: the (ef, lf,
     lb) of :func:`.pipeline_search.stage_costs`; ``cur``: the proxy times [R] of ``(eidx,
     lidx)`` on it (level 2 has them); ``rank`` [R]: what "slowest" means where that is not
-    ``cur`` (the depth-blind price, where the depth is guessed)."""
+    ``cur`` (the depth-blind price, where the depth is guessed; the room is then read on
+    both)."""
     m = rp.m
     # under 3 microbatches or on one stage there is no fill and drain to shape around
     if m < 3 or rp.stages < 2 or not rp.depth_known:
@@ -220,7 +226,7 @@ def lay_light_work(
     rank = cur if rank is None else rank
     slowest = np.argsort(-rank, kind="stable")
     count = min(_FOCUS, len(cur))
-    if count < len(cur) and rank[slowest[count]] >= rank.max() * (1 - _ROOM):
+    if count < len(cur) and (_no_room(rank, count) or _no_room(cur, count)):
         return eidx, lidx  # the first one it cannot help is within the room of the slowest
     ceiling = cur[slowest[count:]].max(initial=0.0)  # the slowest of those left out
     rows = np.sort(slowest[:count])
@@ -277,6 +283,13 @@ def lay_light_work(
     eidx[taken] = np.where(keep[:, None], e_s, e2[ok])
     lidx[taken] = np.where(keep[:, None], l_s, l2[ok])
     return eidx, lidx
+
+
+def _no_room(times: np.ndarray, count: int) -> bool:
+    """Whether the ``count + 1``-th slowest of ``times`` runs within ``_ROOM`` of the
+    slowest: laying out the ``count`` slowest cannot shorten them by more."""
+    nth = np.partition(times, len(times) - count - 1)[len(times) - count - 1]
+    return bool(nth >= times.max() * (1 - _ROOM))
 
 
 def _peaks(rp: Replicas, eidx: np.ndarray, lidx: np.ndarray) -> tuple[float, np.ndarray]:
