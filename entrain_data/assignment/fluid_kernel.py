@@ -43,7 +43,7 @@ def fluid_times(fh, bh, fl, bl, shares, topo, keep):
                 held[count] = p
                 count += 1
             if count == _LANES or (count > 0 and p == p_count - 1):
-                _run_lanes(prev, dep, load, last, times, ends, count, lane_t)
+                _run_lanes(prev, dep, load, last, times, ends, count, lane_t, 0)
                 for c in range(count):
                     out[r, held[c]] = lane_t[c]
                 count = 0
@@ -86,7 +86,7 @@ def fluid_descent(fh, bh, fl, bl, upper, share, goal, topo, steps, pairs, tries,
     for r in range(r_count):
         a = share[r].copy()
         _fill_probe(times, 0, fh[r], bh[r], fl[r], bl[r], a)
-        _run_lanes(prev, dep, load, last, times, ends, 1, lane_t)
+        _run_lanes(prev, dep, load, last, times, ends, 1, lane_t, 0)
         cur[r] = lane_t[0]
         step = step0
         for _ in range(steps):
@@ -146,10 +146,9 @@ def _run_probes(prev, dep, load, last, times, ends, lane_t, held, fh, bh, fl, bl
     ``value``: see :func:`fluid_descent`), each run from its ``starts`` op on: every lane
     first holds the loads and the run of the current shares ``a``, then the probes run
     side by side, latest start first, each lane's changed microbatches put back after."""
-    n_ops = prev.shape[0]
     for c in range(_LANES):
         _fill_probe(times, c, fh, bh, fl, bl, a)
-    _run_lanes(prev, dep, load, last, times, ends, _LANES, lane_t)
+    _run_lanes(prev, dep, load, last, times, ends, _LANES, lane_t, 0)
     order = lo + np.argsort(-starts[lo:hi], kind="mergesort")
     count = 0
     for i in range(order.shape[0]):
@@ -162,7 +161,7 @@ def _run_probes(prev, dep, load, last, times, ends, lane_t, held, fh, bh, fl, bl
         count += 1
         if count == _LANES or i == order.shape[0] - 1:
             start = starts[held[count - 1]]  # the batch's earliest
-            _run_from(prev, dep, load, last, times, ends, count, lane_t, start, n_ops)
+            _run_lanes(prev, dep, load, last, times, ends, count, lane_t, start)
             for c in range(count):
                 got[held[c]] = lane_t[c]
                 for h in range(2):  # the lane holds the current shares' loads again
@@ -179,21 +178,6 @@ def _fill_row(times, c, fh, bh, fl, bl, j, share):
     for s in range(s_count):
         times[j * s_count + s, c] = fh[j, s] + share * fl[s]
         times[(m + j) * s_count + s, c] = bh[j, s] + share * bl[s]
-
-
-@jit(inline=True)
-def _run_from(prev, dep, load, last, times, ends, count, out, start, n_ops):
-    """:func:`.search_kernel._run_lanes` from op ``start`` on (the ops before it end as
-    ``ends`` holds them)."""
-    for i in range(start, n_ops):
-        p, d, x = prev[i], dep[i], load[i]
-        for c in range(count):
-            ends[i, c] = max(ends[p, c], ends[d, c]) + max(times[x, c], 0.0)
-    for c in range(count):
-        t = ends[last[0], c]
-        for s in range(1, last.shape[0]):
-            t = max(t, ends[last[s], c])
-        out[c] = t
 
 
 @jit

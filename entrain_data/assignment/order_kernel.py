@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..compiled import jit
-from .fluid_kernel import _first_ops, _run_from
+from .fluid_kernel import _first_ops
 from .search_kernel import _LANES, _fill_lane, _lanes, _run_lanes
 
 __all__ = ["swap_rounds"]
@@ -87,7 +87,7 @@ def _run_swaps(prev, dep, load, last, lanes, ends, lane_t, held, times, pairs, s
     m = times.shape[1]
     for c in range(_LANES):
         _fill_lane(lanes, c, times[0], times[1])
-    _run_lanes(prev, dep, load, last, lanes, ends, _LANES, lane_t)
+    _run_lanes(prev, dep, load, last, lanes, ends, _LANES, lane_t, 0)
     order = np.argsort(-starts, kind="mergesort")
     count = 0
     for i in range(order.shape[0]):
@@ -99,7 +99,7 @@ def _run_swaps(prev, dep, load, last, lanes, ends, lane_t, held, times, pairs, s
         count += 1
         if count == _LANES or i == order.shape[0] - 1:
             start = starts[held[count - 1]]  # the batch's earliest
-            _run_from(prev, dep, load, last, lanes, ends, count, lane_t, start, prev.shape[0])
+            _run_lanes(prev, dep, load, last, lanes, ends, count, lane_t, start)
             for c in range(count):
                 got[held[c]] = lane_t[c]
                 a, b = pairs[held[c]] // m, pairs[held[c]] % m

@@ -69,17 +69,17 @@ _LANES = 8  # 1F1B runs evaluated side by side (:func:`_run_lanes`)
 
 
 @jit(inline=True)
-def _run_lanes(prev, dep, load, last, times, ends, count, out):
+def _run_lanes(prev, dep, load, last, times, ends, count, out, start):
     """``out[c]``: the 1F1B iteration time of column ``c < count`` of ``times`` [2 M S,
     _LANES] (forward-then-backward, flat; clipped at 0: incremental updates leave rounding
-    residue) by the recurrence of :func:`entrain_data.simulator.simulate_pipeline`; ``ends``
-    [N + 1, _LANES] scratch, 0 in row N.
+    residue) by the recurrence of :func:`entrain_data.simulator.simulate_pipeline`, from op
+    ``start`` on; ``ends`` [N + 1, _LANES]: the ends of the ops before it (0 in row N).
 
     One run is a chain of dependent maxima and sums: the CPU waits on each op's operands.
     Runs side by side fill those waits and vectorise, every lane the same max/+ sequence as
     one run alone (so the same times, bit for bit): on the light work's probes at 8192 / dp
     128, 2.4x faster than one run after another from the first op each changes."""
-    for i in range(prev.shape[0]):
+    for i in range(start, prev.shape[0]):
         p, d, x = prev[i], dep[i], load[i]
         for c in range(count):
             ends[i, c] = max(ends[p, c], ends[d, c]) + max(times[x, c], 0.0)
@@ -120,7 +120,7 @@ def recurrence(fwd, bwd, topo):
         count = min(_LANES, r_count - r0)
         for c in range(count):
             _fill_lane(times, c, fwd[r0 + c], bwd[r0 + c])
-        _run_lanes(prev, dep, load, last, times, ends, count, lane_t)
+        _run_lanes(prev, dep, load, last, times, ends, count, lane_t, 0)
         out[r0 : r0 + count] = lane_t[:count]
     return out
 
