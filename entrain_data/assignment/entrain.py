@@ -313,13 +313,13 @@ def _shaped_untold(rp: Replicas, eidx, lidx, stage: StageCosts, cur, rng):
     mean price over those depths is lowest (:func:`.pipeline_search.depth_blind_pricer`),
     and only where no depth runs it slower than its sets did. "Slowest" is by that mean
     price, and a fit is not laid where its own depth's iteration cannot get shorter
-    (:mod:`.light_work`'s room). A profile fitted to one depth's fill and drain often suits the others, and where
-    it does not, the other fit often does: at 512 / dp 4 / 32 untold, the balance bench's
-    mean against the best keeping peer went 1.0250 -> 1.0374 run on 4 stages, 1.0165 ->
-    1.0409 on 8 (fitted on 4 alone: 1.0368, 1.0268; kept on the mean alone, two rows below
-    1.000 on 8; the slot order after the deeper fit too: 1.0376, 1.0423, for ~25 more ms an
-    assignment at 8192 / dp 128; slowest by each depth's own proxy: the same at 512 / dp 4,
-    9 more ms at 8192 / dp 128)."""
+    (:mod:`.light_work`'s room). A profile fitted to one depth's fill and drain often suits
+    the others, and where it does not, the other fit often does: at 512 / dp 4 / 32 untold,
+    the balance bench's mean against the best keeping peer went 1.0250 -> 1.0374 run on 4
+    stages, 1.0165 -> 1.0409 on 8 (fitted on 4 alone: 1.0368, 1.0268; kept on the mean
+    alone, two rows below 1.000 on 8; the slot order after the deeper fit too: 1.0376,
+    1.0423, for 15-25 more ms an assignment at 8192 / dp 128; slowest by each depth's own
+    proxy: the same at 512 / dp 4, 9 more ms at 8192 / dp 128)."""
     price = depth_blind_pricer(rp)
     old = price(eidx, lidx, per_depth=True)
     best_e, best_l, best = eidx, lidx, old.mean(axis=0)

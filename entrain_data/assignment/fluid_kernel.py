@@ -8,7 +8,8 @@ assignment, a third of it numpy's per-call cost around the simulated runs. Here 
 one loop; the probes run side by side (:func:`.search_kernel._run_lanes`), grouped by the
 first op they change, latest first, so each group starts there: the ops before it end as
 the step's current shares' run does (every lane starts the step holding that run, and a
-later group never writes an op an earlier one reads). Results are identical to the numpy
+group writes only ops from its own start on, which no later group, starting earlier, reads
+from the lanes). Results are identical to the numpy
 path: every probe is built and run with the same products, sums and maxima, the moves are
 drawn in the same order (stable ties) and the first of equal times wins, as numpy's
 argmin. ``tests/test_compiled.py`` compares the two.
@@ -19,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..compiled import jit
-from .search_kernel import _LANES, _lanes, _run_lanes
+from .search_kernel import _LANES, _first_ops, _lanes, _run_lanes
 
 __all__ = ["fluid_descent", "fluid_times"]
 
@@ -192,13 +193,3 @@ def _smallest(values, k, out):
                 best = j
         taken[best] = True
         out[i] = best
-
-
-@jit
-def _first_ops(topo, m):
-    """[M] the index of every microbatch's first op in the schedule ``topo`` [N, 3]: a run
-    that changes microbatches from j on may start there (the ops before end alike)."""
-    first = np.full(m, topo.shape[0], np.int64)
-    for i in range(topo.shape[0]):
-        first[topo[i, 2]] = min(first[topo[i, 2]], i)
-    return first

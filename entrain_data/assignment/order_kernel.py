@@ -17,8 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..compiled import jit
-from .fluid_kernel import _first_ops
-from .search_kernel import _LANES, _fill_lane, _lanes, _run_lanes
+from .search_kernel import _LANES, _fill_lane, _first_ops, _lanes, _run_lanes
 
 __all__ = ["swap_rounds"]
 

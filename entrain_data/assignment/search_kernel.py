@@ -50,6 +50,16 @@ def _ops(topo, m, s_count):
 
 
 @jit
+def _first_ops(topo, m):
+    """[M] the index of every microbatch's first op in the schedule ``topo`` [N, 3]: a run
+    that changes microbatches from j on may start there (the ops before end alike)."""
+    first = np.full(m, topo.shape[0], np.int64)
+    for i in range(topo.shape[0]):
+        first[topo[i, 2]] = min(first[topo[i, 2]], i)
+    return first
+
+
+@jit
 def _run(prev, dep, load, last, times, ends):
     """The 1F1B iteration time of ``times`` (the [2 M S] flat forward-then-backward times,
     clipped at 0 as the search's caller does: incremental updates leave rounding residue)
