@@ -310,7 +310,7 @@ def test_untold_a_fit_is_not_laid_where_its_own_depth_cannot_get_shorter(monkeyp
     from entrain_data.assignment import light_work
 
     rp, eidx, stage, cur = _alike_replicas(32, 8, 4)
-    spread = np.linspace(1.0, 1.05, len(cur))  # 5% between the replicas, 3.4% at the 17th
+    spread = np.linspace(1.0, 1.05, len(cur))  # the 17th slowest 2.5% below the slowest
     rank = cur * spread
 
     def tried(*args, **kwargs):
