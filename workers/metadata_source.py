@@ -322,12 +322,8 @@ class MetadataSource:
     def line(self, member: str) -> int:
         """The line of the metadata file where the record of ``member`` starts (0 if none)."""
         try:
-            at = member_line(member)
-            return (
-                at
-                if at is not None
-                else self._load(int(member.partition("#")[0].partition("@")[0]), "")[0]
-            )
+            at = member_line(member)  # a CSV record names no line: its record's is loaded
+            return at if at is not None else self._load(int(member.partition("#")[0]), "")[0]
         except (ValueError, IndexError):
             return 0
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..compiled import jit
-from .search_kernel import _LANES, _first_ops, _lanes, _run_lanes
+from .search_kernel import _LANES, _first_ops, _lanes, _run_changes, _run_lanes
 
 __all__ = ["fluid_descent", "fluid_times"]
 
@@ -81,6 +81,8 @@ def fluid_descent(fh, bh, fl, bl, upper, share, goal, topo, steps, pairs, tries,
     value = np.zeros((n_probes, 2))
     starts = np.empty(n_probes, np.int64)  # the first op each changes
     got = np.empty(n_probes)
+    base = np.empty((2, m, s_count))  # the current shares' loads
+    loads = np.empty((n_probes, 2, 2, s_count))  # each probe's changed microbatches' loads
     add_order, take_order = np.empty(m, np.int64), np.empty(m, np.int64)
     cost = np.empty(m)
     cur = np.empty(r_count)
@@ -99,7 +101,7 @@ def fluid_descent(fh, bh, fl, bl, upper, share, goal, topo, steps, pairs, tries,
                 value[m + j, 0] = a[j] - min(step, a[j])
                 starts[j] = starts[m + j] = first[j]
             _run_probes(prev, dep, load, last, times, ends, lane_t, held, fh[r], bh[r],
-                        fl[r], bl[r], a, moved, value, starts, 0, 2 * m, got)  # fmt: skip
+                        fl[r], bl[r], a, moved, value, starts, base, loads, 0, 2 * m, got)  # fmt: skip
             for j in range(m):
                 cost[j] = got[j] if upper[r, j] - a[j] > 1e-12 else np.inf
             _smallest(cost, k, add_order)
@@ -124,7 +126,7 @@ def fluid_descent(fh, bh, fl, bl, upper, share, goal, topo, steps, pairs, tries,
                     starts[q] = min(first[src], first[dst])
                     q += 1
             _run_probes(prev, dep, load, last, times, ends, lane_t, held, fh[r], bh[r],
-                        fl[r], bl[r], a, moved, value, starts, 2 * m, q, got)  # fmt: skip
+                        fl[r], bl[r], a, moved, value, starts, base, loads, 2 * m, q, got)  # fmt: skip
             best = 2 * m
             for p in range(2 * m + 1, q):
                 if got[p] < got[best]:
@@ -142,43 +144,28 @@ def fluid_descent(fh, bh, fl, bl, upper, share, goal, topo, steps, pairs, tries,
 
 @jit(inline=True)
 def _run_probes(prev, dep, load, last, times, ends, lane_t, held, fh, bh, fl, bl, a, moved,
-                value, starts, lo, hi, got):  # fmt: skip
+                value, starts, base, loads, lo, hi, got):  # fmt: skip
     """``got[lo:hi]``: the times of probes ``lo`` to ``hi`` of one replica (``moved``,
-    ``value``: see :func:`fluid_descent`), each run from its ``starts`` op on: every lane
-    first holds the loads and the run of the current shares ``a``, then the probes run
-    side by side, latest start first, each lane's changed microbatches put back after."""
-    for c in range(_LANES):
-        _fill_probe(times, c, fh, bh, fl, bl, a)
-    _run_lanes(prev, dep, load, last, times, ends, _LANES, lane_t, 0)
-    order = lo + np.argsort(-starts[lo:hi], kind="mergesort")
-    count = 0
-    for i in range(order.shape[0]):
-        p = order[i]
+    ``value``: see :func:`fluid_descent`), each the current shares' loads (``base`` [2, M,
+    S], built here from ``a``) with its microbatches' loads (``loads`` [P, 2, 2, S], built
+    here) in their place (:func:`.search_kernel._run_changes`)."""
+    for j in range(a.shape[0]):
+        _loads_at(fh, bh, fl, bl, j, a[j], base[:, j])
+    for p in range(lo, hi):
         for h in range(2):
-            j = moved[p, h]
-            if j >= 0:
-                _fill_row(times, count, fh, bh, fl, bl, j, value[p, h])
-        held[count] = p
-        count += 1
-        if count == _LANES or i == order.shape[0] - 1:
-            start = starts[held[count - 1]]  # the batch's earliest
-            _run_lanes(prev, dep, load, last, times, ends, count, lane_t, start)
-            for c in range(count):
-                got[held[c]] = lane_t[c]
-                for h in range(2):  # the lane holds the current shares' loads again
-                    j = moved[held[c], h]
-                    if j >= 0:
-                        _fill_row(times, c, fh, bh, fl, bl, j, a[j])
-            count = 0
+            if moved[p, h] >= 0:
+                _loads_at(fh, bh, fl, bl, moved[p, h], value[p, h], loads[p, h])
+    _run_changes(prev, dep, load, last, times, ends, lane_t, held, base, moved[lo:hi],
+                 loads[lo:hi], starts[lo:hi], got[lo:hi])  # fmt: skip
 
 
 @jit(inline=True)
-def _fill_row(times, c, fh, bh, fl, bl, j, share):
-    """Microbatch ``j``'s loads in lane ``c`` of ``times`` at ``share`` of the light work."""
-    m, s_count = fh.shape
-    for s in range(s_count):
-        times[j * s_count + s, c] = fh[j, s] + share * fl[s]
-        times[(m + j) * s_count + s, c] = bh[j, s] + share * bl[s]
+def _loads_at(fh, bh, fl, bl, j, share, out):
+    """``out`` [2, S]: microbatch ``j``'s forward and backward loads at ``share`` of the
+    light work (the products and sums of :func:`_fill_probe`)."""
+    for s in range(fh.shape[1]):
+        out[0, s] = fh[j, s] + share * fl[s]
+        out[1, s] = bh[j, s] + share * bl[s]
 
 
 @jit

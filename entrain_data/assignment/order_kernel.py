@@ -5,8 +5,8 @@ gathers: about 40 ms an assignment at 8192 / dp 128, most of it numpy's per-call
 Here each swap is one loop, and the swaps that keep every E set before its L set and the
 buffer within its budget run side by side (:func:`.search_kernel._run_lanes`), from the
 first op of the earlier slot they exchange: the lanes hold the current order's loads and
-run, and each swap writes its two slots and puts them back, as :mod:`.fluid_kernel`'s
-probes do (2% off an assignment at 8192 / dp 128). Results are identical to the numpy path:
+run, and each swap writes its two slots and puts them back
+(:func:`.search_kernel._run_changes`, as :mod:`.fluid_kernel`'s probes; 2% off an assignment at 8192 / dp 128). Results are identical to the numpy path:
 every time comes from the same max/+ sequence, the buffer's running sum adds in the same
 order, and ties go to the first swap in ``numpy.triu_indices`` order.
 ``tests/test_compiled.py`` compares the two.
@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..compiled import jit
-from .search_kernel import _LANES, _fill_lane, _first_ops, _lanes, _run_lanes
+from .search_kernel import _first_ops, _lanes, _run_changes
 
 __all__ = ["swap_rounds"]
 
@@ -38,7 +38,8 @@ def swap_rounds(
     inv = np.empty(m, np.int64)
     feeds = np.zeros((m, m), np.bool_)
     first = _first_ops(topo, m)
-    pairs = np.empty(m * (m - 1) // 2, np.int64)
+    pairs = np.empty((m * (m - 1) // 2, 2), np.int64)
+    loads = np.empty((m * (m - 1) // 2, 2, 2, s_count))
     starts = np.empty(m * (m - 1) // 2, np.int64)
     got = np.empty(m * (m - 1) // 2)
     for r in range(a_count):
@@ -55,19 +56,20 @@ def swap_rounds(
             for i in range(n):
                 if enc[r, i]:
                     feeds[perm[r, e_enc[r, i]], perm[r, l_enc[r, i]]] = True
-            count = 0  # the allowed swaps, and the first op each changes
+            count = 0  # the allowed swaps: their slots, those slots' loads, first op changed
             for a in range(m):
                 for b in range(a + 1, m):
                     if _allowed(a, b, feeds, inv, flow_in[r], flow_out[r], budget, use_budget):
-                        pairs[count] = a * m + b
+                        pairs[count, 0], pairs[count, 1] = a, b
+                        loads[count, 0], loads[count, 1] = times[:, b], times[:, a]
                         starts[count] = min(first[a], first[b])
                         count += 1
-            _run_swaps(prev, dep, load, last, lanes, ends, lane_t, held, times, pairs[:count],
-                       starts[:count], got)  # fmt: skip
+            _run_changes(prev, dep, load, last, lanes, ends, lane_t, held, times,
+                         pairs[:count], loads[:count], starts[:count], got)  # fmt: skip
             best_t, best_a, best_b = np.inf, -1, -1
             for i in range(count):  # the first of equal times, in triu order
                 if got[i] < best_t:
-                    best_t, best_a, best_b = got[i], pairs[i] // m, pairs[i] % m
+                    best_t, best_a, best_b = got[i], pairs[i, 0], pairs[i, 1]
             if best_a < 0 or not best_t < t_cur * (1 - 1e-9):
                 break
             for x in range(m):
@@ -75,45 +77,6 @@ def swap_rounds(
                 perm[r, x] = best_b if v == best_a else (best_a if v == best_b else v)
             t_cur = best_t
     return perm
-
-
-@jit(inline=True)
-def _run_swaps(prev, dep, load, last, lanes, ends, lane_t, held, times, pairs, starts, got):
-    """``got[i]``: the time of the current order ``times`` [2, m, S] with the slots of
-    ``pairs[i]`` (``a * m + b``) exchanged, each run from its ``starts`` op on: every lane
-    first holds the current order's loads and run, then the swaps run side by side, latest
-    start first, each lane's two slots put back after."""
-    m = times.shape[1]
-    for c in range(_LANES):
-        _fill_lane(lanes, c, times[0], times[1])
-    _run_lanes(prev, dep, load, last, lanes, ends, _LANES, lane_t, 0)
-    order = np.argsort(-starts, kind="mergesort")
-    count = 0
-    for i in range(order.shape[0]):
-        p = order[i]
-        a, b = pairs[p] // m, pairs[p] % m
-        _put_slot(lanes, count, times, a, b)
-        _put_slot(lanes, count, times, b, a)
-        held[count] = p
-        count += 1
-        if count == _LANES or i == order.shape[0] - 1:
-            start = starts[held[count - 1]]  # the batch's earliest
-            _run_lanes(prev, dep, load, last, lanes, ends, count, lane_t, start)
-            for c in range(count):
-                got[held[c]] = lane_t[c]
-                a, b = pairs[held[c]] // m, pairs[held[c]] % m
-                _put_slot(lanes, c, times, a, a)
-                _put_slot(lanes, c, times, b, b)
-            count = 0
-
-
-@jit(inline=True)
-def _put_slot(lanes, c, times, slot, src):
-    """Lane ``c``'s loads at ``slot``: those of slot ``src`` of ``times`` [2, m, S]."""
-    m, s_count = times.shape[1], times.shape[2]
-    for s in range(s_count):
-        lanes[slot * s_count + s, c] = times[0, src, s]
-        lanes[(m + slot) * s_count + s, c] = times[1, src, s]
 
 
 @jit

@@ -120,6 +120,48 @@ def _fill_lane(times, c, fwd, bwd):
             times[(m + j) * s_count + s, c] = bwd[j, s]
 
 
+@jit(inline=True)
+def _run_changes(prev, dep, load, last, lanes, ends, lane_t, held, base, rows, loads, starts,
+                 got):  # fmt: skip
+    """``got[p]``: the 1F1B time of ``base`` [2, M, S] (forward and backward loads) with
+    microbatches ``rows[p]`` ([2], -1: none) given ``loads[p]`` ([2, 2, S]), run from op
+    ``starts[p]`` on. Every lane first holds ``base`` and its run; the changes then run side
+    by side, latest start first, a batch from its earliest start (the ops before it end as
+    ``base``'s run: the batches before it, starting later, wrote none of them), and each
+    lane's rows are put back after."""
+    m = base.shape[1]
+    for c in range(_LANES):
+        _fill_lane(lanes, c, base[0], base[1])
+    _run_lanes(prev, dep, load, last, lanes, ends, _LANES, lane_t, 0)
+    order = np.argsort(-starts, kind="mergesort")
+    count = 0
+    for i in range(order.shape[0]):
+        p = order[i]
+        for h in range(2):
+            if rows[p, h] >= 0:
+                _put_row(lanes, count, loads[p, h], rows[p, h], m)
+        held[count] = p
+        count += 1
+        if count == _LANES or i == order.shape[0] - 1:
+            _run_lanes(prev, dep, load, last, lanes, ends, count, lane_t, starts[held[count - 1]])
+            for c in range(count):
+                got[held[c]] = lane_t[c]
+                for h in range(2):
+                    j = rows[held[c], h]
+                    if j >= 0:
+                        _put_row(lanes, c, base[:, j], j, m)
+            count = 0
+
+
+@jit(inline=True)
+def _put_row(lanes, c, row, j, m):
+    """Microbatch ``j`` of lane ``c``: the forward and backward loads ``row`` [2, S]."""
+    s_count = row.shape[1]
+    for s in range(s_count):
+        lanes[j * s_count + s, c] = row[0, s]
+        lanes[(m + j) * s_count + s, c] = row[1, s]
+
+
 @jit
 def recurrence(fwd, bwd, topo):
     """[R] iteration times of [R, M, S] forward and backward times (inputs >= 0)."""
