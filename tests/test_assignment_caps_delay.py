@@ -226,6 +226,35 @@ def test_level1_balances_every_module_across_many_replicas(dp):
     assert dev < 0.02, dev
 
 
+def test_level1_evens_the_llm_where_another_module_cannot_get_even():
+    """Padded speech: every clip one Whisper window, 0.5% of them two. No split evens the
+    window counts at dp 128, and before the polish that module kept every swap from evening
+    the LLM (0.9% apart); the polish evens it without moving the windows' extremes."""
+    import entrain_data.assignment.replica_split as rs
+
+    rng = np.random.default_rng(3)
+    dp, b = 128, 64 * 128
+    windows = np.where(rng.random(b) < 0.005, 2.0, 1.0) * (1 + 0.002 * rng.random(b))
+    llm = rng.lognormal(0, 0.6, b) * (1 + 0.3 * (windows - 1))  # a longer clip says more
+    w = norm_columns(np.stack([windows, llm], axis=1))
+
+    def deviations(members):
+        sums = np.stack([w[row[row >= 0]].sum(axis=0) for row in members])
+        rel = sums / sums.mean(axis=0) - 1
+        return rel.max(axis=0), rel.min(axis=0)
+
+    saved = rs._POLISH_ROUNDS
+    rs._POLISH_ROUNDS = 0
+    try:
+        hi0, lo0 = deviations(split_replicas(w, dp, rng_for(0, 0, 1), microbatches=16))
+    finally:
+        rs._POLISH_ROUNDS = saved
+    hi, lo = deviations(split_replicas(w, dp, rng_for(0, 0, 1), microbatches=16))
+    assert hi0[0] > 0.005 and hi0[1] > 0.005  # the windows cannot get even; the LLM was not
+    assert hi[1] < 2e-4 and lo[1] > -2e-4
+    assert hi[0] <= hi0[0] + rs._POLISH_TOL and lo[0] >= lo0[0] - rs._POLISH_TOL
+
+
 def test_large_batches_run_the_search_too():
     """No batch-size threshold: at 4096 samples the pipeline search still moves samples."""
     import entrain_data.assignment.pipeline_search as ps

@@ -285,10 +285,12 @@ def test_proxy_loads_compiled_equals_numpy(stages):
     per=st.integers(1, 90),
     d=st.integers(1, 9),
     pad=st.booleans(),
+    m=st.sampled_from([None, 1, 4]),
 )
-def test_level1_split_compiled_equals_numpy(seed, dp, per, d, pad):
-    # level 1 on its own: both refinements, more members than either samples (16, 64),
-    # pads (B not a multiple of dp), ties (a count column), an idle module (zeros)
+def test_level1_split_compiled_equals_numpy(seed, dp, per, d, pad, m):
+    # level 1 on its own: both refinements and the polish (``m``: replicas holding a
+    # stalling sample sit it out), more members than either samples (16, 64), pads (B not
+    # a multiple of dp), ties (a count column), an idle module (zeros)
     from entrain_data.assignment.replica_split import norm_columns, split_replicas
 
     rng = np.random.default_rng(seed)
@@ -298,7 +300,9 @@ def test_level1_split_compiled_equals_numpy(seed, dp, per, d, pad):
         w[:, 0] = 1.0
     if d > 2:
         w[:, 1] = 0.0
-    a, c = _both(lambda: split_replicas(norm_columns(w), dp, np.random.default_rng(seed)))
+    a, c = _both(
+        lambda: split_replicas(norm_columns(w), dp, np.random.default_rng(seed), microbatches=m)
+    )
     assert np.array_equal(a, c)
 
 

@@ -252,7 +252,7 @@ def _assign(x: Inputs, seed: int, iteration: int, tolerance: float):
     else:  # an encoder without work in this batch is no module
         cols = cols[:, np.append(cols[:, :-1].any(axis=0), True)]
     w = norm_columns(cols)
-    rp = replicas_of(x, fit_caps(split_replicas(w, x.dp, rng), x, w))
+    rp = replicas_of(x, fit_caps(split_replicas(w, x.dp, rng, microbatches=x.microbatches), x, w))
     stage = stage_costs(rp)  # the proxy's per-sample stage costs, read by every step
     eidx, lidx = _level2(rp, tolerance, stage, rng_for(seed, iteration, 2))
 

@@ -1,7 +1,8 @@
 """Compiled twins of level 1's refinement and of the cap packing check (numba, when installed).
 
 :func:`refine_pairs` is :func:`.replica_split._refine_pairs`, :func:`refine_replicas`
-:func:`.replica_split._refine_replicas`, :func:`packs` :func:`.replica_split._packs`.
+:func:`.replica_split._refine_replicas`, :func:`polish_modules`
+:func:`.replica_split._polish_modules`, :func:`packs` :func:`.replica_split._packs`.
 The numpy versions spend their time in numpy's per-call cost over [dp, C, C] arrays a few
 hundred elements wide (about 15 ms an assignment at 8192 / dp 128); here every pair of
 replicas, every candidate swap, runs as one loop. Results are identical, not close: every
@@ -16,7 +17,7 @@ import numpy as np
 
 from ..compiled import jit
 
-__all__ = ["greedy_rounds", "packs", "refine_pairs", "refine_replicas"]
+__all__ = ["greedy_rounds", "packs", "polish_modules", "refine_pairs", "refine_replicas"]
 
 
 @jit
@@ -201,3 +202,69 @@ def packs(sizes, m):
                 ok[r] = False
                 break
     return ok
+
+
+@jit
+def polish_modules(members, loads, wp, mean, scale, base, free, rounds, good_enough, tol):
+    """:func:`.replica_split._polish_modules`'s rounds: ``members`` and ``loads`` in place."""
+    dp, n = members.shape
+    d = loads.shape[1]
+    c = base.shape[0]
+    rel = np.empty((dp, d))
+    hi = np.full(d, np.inf)
+    lo = np.full(d, -np.inf)
+    key = np.empty(dp)
+    idx = np.empty(dp, np.int64)
+    nf = 0
+    for r in range(dp):
+        if free[r]:
+            idx[nf] = r
+            nf += 1
+    half = nf // 2
+    cols = np.empty(c, np.int64)
+    wn = np.empty((wp.shape[0], d))  # the quotients numpy takes
+    for i in range(wp.shape[0]):
+        for q in range(d):
+            wn[i, q] = wp[i, q] / scale[q]
+    for it in range(rounds):
+        k = it % d
+        for q in range(d):
+            top, bot = -np.inf, np.inf
+            for r in range(dp):
+                v = (loads[r, q] - mean[q]) / scale[q]
+                rel[r, q] = v
+                top = max(top, v)
+                bot = min(bot, v)
+            hi[q] = min(hi[q], top + tol)
+            lo[q] = max(lo[q], bot - tol)
+        for j in range(nf):
+            key[j] = -rel[idx[j], k]
+        order = idx[:nf][np.argsort(key[:nf], kind="mergesort")]
+        if max(abs(rel[order[0], k]), abs(rel[order[nf - 1], k])) < good_enough:
+            continue
+        for j in range(c):
+            cols[j] = (base[j] + it * 5) % n if c < n else base[j]
+        for p in range(half):
+            a, b = order[p], order[nf - 1 - p]  # most over with most under
+            best, best_v = -1, np.inf
+            for x in range(c):
+                ia = members[a, cols[x]]
+                for y in range(c):
+                    ib = members[b, cols[y]]
+                    if (ia >= 0) != (ib >= 0):
+                        continue  # a sample for a pad
+                    v = 0.0
+                    ok = True
+                    for q in range(d):
+                        dq = wn[ia, q] - wn[ib, q]
+                        na = rel[a, q] - dq
+                        nb = rel[b, q] + dq
+                        if q == k:
+                            v = max(abs(na), abs(nb))
+                        elif max(na, nb) > hi[q] or min(na, nb) < lo[q]:
+                            ok = False
+                            break
+                    if ok and v < best_v:
+                        best, best_v = x * c + y, v
+            if best >= 0 and best_v < max(abs(rel[a, k]), abs(rel[b, k])) - 1e-12:
+                _swap(members, loads, wp, a, cols[best // c], b, cols[best % c])
