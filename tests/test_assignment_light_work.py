@@ -279,6 +279,35 @@ def test_batches_without_outliers_run_shorter_and_stay_more_even_than_a_blind_cu
     assert largest[0] <= largest[1]
 
 
+def test_a_deal_slower_than_the_sets_is_kept_where_the_search_from_it_is_faster(monkeypatch):
+    """text-heavy at 1024 / dp 8 / 16: on one replica every deal runs a little slower than
+    its present sets, so without ``_NEAR`` it keeps them; searched from its best deal it runs
+    faster than them, and no replica runs slower than it did."""
+    from entrain_data.assignment import light_work
+
+    costs, _ = workload_on_stages("text-heavy", ["qwen2.5-vl-vision"], 1024, 0)
+    enc, llm, tok = costs.encoder_cost(), costs.llm_cost(), costs.llm_tokens
+    calls = []
+    real = en.lay_light_work
+
+    def spy(rp, e, lo, stage, cur, rng):
+        calls.append((rp, e, lo, stage, cur))
+        return real(rp, e, lo, stage, cur, rng)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(en, "lay_light_work", spy)
+        assign(enc, llm, tok, pipeline_stages=4, dp=8, microbatches=16, seed=0)
+    rp, e, lo, stage, cur = calls[0]
+    times = {}
+    for near in (0.0, light_work._NEAR):
+        monkeypatch.setattr(light_work, "_NEAR", near)
+        e2, l2 = real(rp, e, lo, stage, cur, np.random.default_rng(0))
+        times[near] = proxy_times(rp, e2, l2, stage)
+    without, near = times[0.0], times[light_work._NEAR]
+    assert (near <= cur).all() and (without <= cur).all()
+    assert ((without == cur) & (near < cur * 0.999)).any()
+
+
 def _alike_replicas(dp, m, stages):
     """``dp`` replicas holding the same samples, dealt round robin: (rp, eidx, stage, cur)."""
     rng = np.random.default_rng(0)
