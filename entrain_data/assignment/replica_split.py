@@ -148,7 +148,6 @@ def _polish_modules(
             continue
         half = len(order) // 2
         a, b = order[:half], order[::-1][:half]  # most over with most under
-        rows = np.arange(half)
         cols = (base + it * 5) % n if c < n else base
         ia, ib = members[a][:, cols], members[b][:, cols]  # [P, C]
         ok = (ia >= 0)[:, :, None] == (ib >= 0)[:, None, :]  # no sample for a pad
@@ -161,19 +160,25 @@ def _polish_modules(
                 v = np.maximum(np.abs(na), np.abs(nb))
             else:
                 ok &= (np.maximum(na, nb) <= hi[q]) & (np.minimum(na, nb) >= lo[q])
-        flat = np.where(ok, v, np.inf).reshape(half, -1)
-        best = np.argmin(flat, axis=1)
         cur = np.maximum(np.abs(rel[a, k]), np.abs(rel[b, k]))
-        gain = flat[rows, best] < cur - 1e-12
-        if not gain.any():
-            continue
-        x, y = np.divmod(best[gain], c)
-        ra, rb = a[gain], b[gain]
-        ca, cb = cols[x], cols[y]
-        dl = wp[members[ra, ca]] - wp[members[rb, cb]]
-        loads[ra] -= dl
-        loads[rb] += dl
-        members[ra, ca], members[rb, cb] = members[rb, cb], members[ra, ca]
+        _swap_best(members, loads, wp, a, b, cols, np.where(ok, v, np.inf).reshape(half, -1), cur)
+
+
+def _swap_best(members, loads, wp, a, b, cols, flat, limit) -> None:
+    """In every pair ``(a[i], b[i])`` the swap ``flat[i]`` [C * C] rates lowest (candidate
+    ``x * C + y``: member ``cols[x]`` of ``a[i]`` for member ``cols[y]`` of ``b[i]``), made
+    where it rates below ``limit[i]``; ``loads`` follow."""
+    best = np.argmin(flat, axis=1)
+    gain = flat[np.arange(len(a)), best] < limit - 1e-12
+    if not gain.any():
+        return
+    x, y = np.divmod(best[gain], len(cols))
+    ra, rb = a[gain], b[gain]
+    ca, cb = cols[x], cols[y]
+    dl = wp[members[ra, ca]] - wp[members[rb, cb]]
+    loads[ra] -= dl
+    loads[rb] += dl
+    members[ra, ca], members[rb, cb] = members[rb, cb], members[ra, ca]
 
 
 def _refine_pairs(members: np.ndarray, loads: np.ndarray, wp: np.ndarray, iters: int) -> None:
@@ -213,18 +218,9 @@ def _refine_pairs(members: np.ndarray, loads: np.ndarray, wp: np.ndarray, iters:
             np.maximum(new_obj, np.abs(rel[a, k][:, None, None] - dk), out=new_obj)
             np.maximum(new_obj, np.abs(rel[b, k][:, None, None] + dk), out=new_obj)
         new_obj[(ia >= 0)[:, :, None] != (ib >= 0)[:, None, :]] = np.inf  # a sample for a pad
-        flat = new_obj.reshape(half, -1)
-        best = np.argmin(flat, axis=1)
-        gain = flat[np.arange(half), best] < np.maximum(obj[a], obj[b]) - 1e-12
-        if not gain.any():
-            continue
-        x, y = np.divmod(best[gain], c)
-        ra, rb = a[gain], b[gain]
-        ca, cb = cols[x], cols[y]
-        dl = wp[members[ra, ca]] - wp[members[rb, cb]]
-        loads[ra] -= dl
-        loads[rb] += dl
-        members[ra, ca], members[rb, cb] = members[rb, cb], members[ra, ca]
+        _swap_best(
+            members, loads, wp, a, b, cols, new_obj.reshape(half, -1), np.maximum(obj[a], obj[b])
+        )
 
 
 def _refine_replicas(members: np.ndarray, loads: np.ndarray, wp: np.ndarray, iters: int) -> None:
