@@ -308,6 +308,39 @@ def test_a_deal_slower_than_the_sets_is_kept_where_the_search_from_it_is_faster(
     assert ((without == cur) & (near < cur * 0.999)).any()
 
 
+def test_a_deal_below_the_replicas_left_out_is_not_searched_from():
+    """qwen2vl-dynamic at 2048 / dp 32: the 16 slowest replicas are laid out, and the
+    iteration then waits for the slowest of the other 16. Only the deals that still end
+    above the goal the profiles stopped at (that replica's time less ``_GOAL_MARGIN``) are
+    searched from; no replica ends slower than it was."""
+    from entrain_data.assignment import light_work
+
+    costs, _ = workload_on_stages("qwen2vl-dynamic", ["qwen2.5-vl-vision"], 2048, 0)
+    enc, llm, tok = costs.encoder_cost(), costs.llm_cost(), costs.llm_tokens
+    laid, searched = [], []
+    real_lay, real_search = en.lay_light_work, light_work.refine_by_pipeline
+
+    def lay(rp, e, lo, stage, cur, rng, rank=None):
+        laid.append((rp, e, lo, stage, cur))
+        return real_lay(rp, e, lo, stage, cur, rng, rank=rank)
+
+    def search(sub, e, lo, rng, rounds=None, candidates=32, stage=None):
+        searched.append(proxy_times(sub, e, lo, stage))
+        return real_search(sub, e, lo, rng, rounds, candidates, stage)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(en, "lay_light_work", lay)
+        mp.setattr(light_work, "refine_by_pipeline", search)
+        assign(enc, llm, tok, pipeline_stages=4, dp=32, microbatches=16, seed=0)
+        rp, e, lo, stage, cur = laid[0]
+        e2, l2 = light_work.lay_light_work(rp, e, lo, stage, cur, np.random.default_rng(0))
+    left_out = np.sort(cur)[: len(cur) - light_work._FOCUS]
+    goal = left_out.max() * (1 - light_work._GOAL_MARGIN)
+    assert len(searched) == 2 and 0 < len(searched[-1]) < light_work._FOCUS
+    assert (searched[-1] > goal).all()
+    assert (proxy_times(rp, e2, l2, stage) <= cur * (1 + 1e-12)).all()
+
+
 def _alike_replicas(dp, m, stages):
     """``dp`` replicas holding the same samples, dealt round robin: (rp, eidx, stage, cur)."""
     rng = np.random.default_rng(0)

@@ -36,11 +36,14 @@ within a random equal-count cut's: the contract that no module ends less even th
 cost-blind cut leaves it (the free profile alone broke it on most replicas without
 outliers). The pipeline search then runs once more from there on those replicas (the heavy
 samples' slots were found for the old light work), the same bound and a proxy time no longer
-than the deal's held after it. A deal whose proxy time fell is kept; one up to ``_NEAR``
-slower than the present sets is kept only where the search from it ends faster than them
-(``text-heavy``/vl-1b with frozen encoders at 4096 / dp 16, iteration 3: the slowest
-replica's best deal ran 0.04% over its present sets, where every other replica's deal and
-search took 5% off; searched from, it took 3.8% off too).
+than the deal's held after it; not on a replica whose deal already ends below the goal the
+profiles stop at (below, the first replica left out, the iteration cannot get shorter:
+untold at 8192 / dp 128, searching those cost ``qwen2vl-dynamic``/vl-1b 7 ms of its 62).
+A deal whose proxy time fell is kept; one up to ``_NEAR`` slower than the present sets is
+kept only where the search from it ends faster than them (``text-heavy``/vl-1b with frozen
+encoders at 4096 / dp 16, iteration 3: the slowest replica's best deal ran 0.04% over its
+present sets, where every other replica's deal and search took 5% off; searched from, it
+took 3.8% off too).
 
 The optimisation costs a few hundred simulated pipelines per replica, and the iteration
 waits for its slowest replica, so it runs on the slowest replicas only: at most ``_FOCUS``,
@@ -282,14 +285,20 @@ def lay_light_work(
     if len(taken) == 0:
         return eidx, lidx
     eidx, lidx = eidx.copy(), lidx.copy()
-    sub = rp.take(taken)
-    e_s, l_s = refine_by_pipeline(sub, e2[ok], l2[ok], rng, stage=stage_rows((ef, lf, lb), ok))
-    # the search's CV limits follow its start: hold the random cut's bound after it too
-    keep = _within(sub, e_s, l_s, limit[ok])
-    e_k = np.where(keep[:, None], e_s, e2[ok])
-    l_k = np.where(keep[:, None], l_s, l2[ok])
+    sub, st_ok = rp.take(taken), stage_rows((ef, lf, lb), ok)
+    e_k, l_k = e2[ok], l2[ok]
+    # the iteration waits for the replicas left out: a deal that ends below the goal the
+    # profiles stopped at is not searched from (the search could not shorten the iteration)
+    hunt = np.flatnonzero(t2[ok] > goal[ok])
+    if len(hunt):
+        hs = sub.take(hunt)
+        e_s, l_s = refine_by_pipeline(hs, e_k[hunt], l_k[hunt], rng, stage=stage_rows(st_ok, hunt))
+        # the search's CV limits follow its start: hold the random cut's bound after it too
+        keep = _within(hs, e_s, l_s, limit[ok][hunt])
+        e_k[hunt] = np.where(keep[:, None], e_s, e_k[hunt])
+        l_k[hunt] = np.where(keep[:, None], l_s, l_k[hunt])
     # a deal that was not faster is kept only where the search from it is
-    t_k = proxy_times(sub, e_k, l_k, stage_rows((ef, lf, lb), ok))
+    t_k = proxy_times(sub, e_k, l_k, st_ok)
     won = faster[ok] | (t_k < cur[taken] * (1 - 1e-9))
     eidx[taken] = np.where(won[:, None], e_k, eidx[taken])
     lidx[taken] = np.where(won[:, None], l_k, lidx[taken])
