@@ -38,7 +38,7 @@ outliers). The pipeline search then runs once more from there on those replicas 
 samples' slots were found for the old light work), the same bound and a proxy time no longer
 than the deal's held after it; not on a replica whose deal already ends below the goal the
 profiles stop at (below, the first replica left out, the iteration cannot get shorter:
-untold at 8192 / dp 128, searching those cost ``qwen2vl-dynamic``/vl-1b 7 ms of its 62).
+untold at 8192 / dp 128, searching those cost ``qwen2vl-dynamic``/vl-1b 7 ms of its 59).
 A deal whose proxy time fell is kept; one up to ``_NEAR`` slower than the present sets is
 kept only where the search from it ends faster than them (``text-heavy``/vl-1b with frozen
 encoders at 4096 / dp 16, iteration 3: the slowest replica's best deal ran 0.04% over its
