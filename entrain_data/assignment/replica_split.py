@@ -93,8 +93,7 @@ def _stalling(members: np.ndarray, wp: np.ndarray, microbatches: int | None) -> 
     if microbatches is None:
         return np.zeros(dp, bool)
     per_mb = wp.sum(axis=0) / (dp * microbatches)
-    heavy = ((wp > _STALL_SAMPLE * per_mb) & (per_mb > 0)).any(axis=1)
-    heavy[-1] = False  # the pads
+    heavy = ((wp > _STALL_SAMPLE * per_mb) & (per_mb > 0)).any(axis=1)  # the pads' zeros: never
     return heavy[members].any(axis=1)
 
 
