@@ -201,3 +201,31 @@ def test_more_rounds_never_slower_nor_past_the_bound(seed, dp, m, monsters, size
     once, again, cv, bound = _rounds(enc, llm, tok, dp, m, frozen, seed)
     assert again <= once + 1e-9 * once
     assert (cv <= bound + 1e-9).all(), (cv, bound)
+
+
+def test_padded_speech_sheds_only_where_delay_is_opted_into():
+    """Whisper pads every clip to 30 s, so a replica that gives clips away has lighter
+    encoder sets than any equal-count cut: plain entrain keeps its sets (balance is its
+    contract) and stalls. ``max_delay > 0`` trades the iteration's sample set for time
+    already, and its landings hold every heavy sample carried so far: there the stalled
+    replicas give their work away whatever it does to the encoder CV (frozen
+    common-voice-ps at 8192 / dp 128: 0.986 -> 1.025 of ``wlb_llm``)."""
+    rng = np.random.default_rng(3)
+    dp, m = 32, 16
+    _, llm, tok = _transcripts(rng, dp * m * 4, 3, dp, m, size=4.0)
+    enc = np.ones(len(llm))  # every clip padded to the same length
+    kw = dict(dp=dp, microbatches=m, frozen_encoders=True, pipeline_stages=4, iteration=1)
+    plain = assign(enc, llm, tok, **kw)
+    landing = assign(enc, llm, tok, max_delay=2, flush=True, **kw)  # everything placed
+    assert [sum(len(s) for s in row) for row in plain.llm_sets] == [4 * m] * dp
+    counts = [sum(len(s) for s in row) for row in landing.llm_sets]
+    assert min(counts) < 4 * m < max(counts), counts  # stalled replicas gave work away
+    check_assignment(landing, len(llm), tok)
+    assert len(landing.carried) == 0
+
+    def slowest(max_delay):
+        x = validate_inputs(enc, llm, tok, dp, m, None, None, max_delay=max_delay,
+                            frozen_encoders=True, pipeline_stages=4)  # fmt: skip
+        return float(assign_entrain_priced(x, 0, 1)[1].max())
+
+    assert slowest(2) < 0.95 * slowest(0), (slowest(2), slowest(0))
