@@ -61,7 +61,8 @@ sets are rebuilt and the receivers put each sample in their lightest set; kept o
 the slowest replica gets faster and every module's batch-wide CV stays within its limit
 (:mod:`.stall_shed`); then again, up to :data:`_SHED_PASSES` rounds, while a round moved work
 (the next slowest replica may stall too). Sample counts per replica may then differ. With
-``max_delay`` > 0 no CV bound holds the shedding back (time is that option's contract).
+``max_delay`` > 0 no CV bound holds the shedding back and a replica 1% over the mean gives
+work (time is that option's contract).
 
 The levels live in modules of their own: :mod:`.replica_split` (level 1),
 :mod:`.encoder_sets` (E_j), :mod:`.llm_sets` (L_j) and :mod:`.pipeline_search`;
@@ -265,8 +266,6 @@ def _assign(x: Inputs, seed: int, iteration: int, tolerance: float):
         return replicas_of(x, members)
 
     limit = None  # every round's balance bound: the first round's (sets before any shedding)
-    if x.max_delay > 0:  # time is the contract there (:mod:`.stall_shed`): no balance bound
-        limit = np.full(rp.module_costs.shape[2], np.inf)
     for _ in range(_SHED_PASSES):  # again while it pays: the next slowest may stall too
         rp2, e2, l2, st2 = shed_stalls(x, rp, eidx, lidx, stage, replicas, level2, limit)
         if rp2 is rp:
