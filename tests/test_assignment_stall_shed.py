@@ -209,7 +209,7 @@ def test_padded_speech_sheds_only_where_delay_is_opted_into():
     contract) and stalls. ``max_delay > 0`` trades the iteration's sample set for time
     already, and its landings hold every heavy sample carried so far: there the stalled
     replicas give their work away whatever it does to the encoder CV (frozen
-    common-voice-ps at 8192 / dp 128: 0.986 -> 1.025 of ``wlb_llm``)."""
+    common-voice-ps at 8192 / dp 128: 0.986 -> 1.028 of ``wlb_llm``)."""
     rng = np.random.default_rng(3)
     dp, m = 32, 16
     _, llm, tok = _transcripts(rng, dp * m * 4, 3, dp, m, size=4.0)

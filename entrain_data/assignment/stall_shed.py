@@ -25,8 +25,8 @@ Where every sample costs exactly the same on a module (padded speech) no cut is 
 giving samples away always breaks that bound and nothing moves. Where the caller opted into
 bounded delay (``max_delay`` > 0) it traded each iteration's sample set for time already, and
 the iterations where the carried heavy samples land stall on several of them: there no CV
-bound applies (frozen ``common-voice-ps`` at 8192 / dp 128: ``entrain_d2`` 0.986 -> 1.025 of
-``wlb_llm``, its encoder CV 0.069, still below ``sequential``'s 0.072), and every replica more
+bound applies (frozen ``common-voice-ps`` at 8192 / dp 128: ``entrain_d2`` 0.986 -> 1.028 of
+``wlb_llm``, its encoder CV 0.071, still below ``sequential``'s 0.072), and every replica more
 than ``_STALL_DELAYED`` (1%) slower than the mean gives work (at 4096 / dp 16 a landing's
 slowest replicas ran 2.5-3% over the mean and gave nothing: 0.994 -> 1.000). Sample counts per
 replica then differ; every sample is still in one set of one replica.
@@ -80,7 +80,8 @@ def shed_stalls(
     checks that do not wait for the givers' new sets come first (:func:`_fails_early`):
     a share that cannot be kept costs no level 2. ``limit``: every module's batch-wide CV
     bound (:func:`cv_limit` of the sets before any shedding; by default of these): rounds
-    after the first keep the first one's, so the slack is not taken again each round."""
+    after the first keep the first one's, so the slack is not taken again each round; none
+    applies where ``x.max_delay`` > 0."""
     same = (rp, eidx, lidx, stage)
     r_count = rp.valid.shape[0]
     if x.stages == 1 or r_count < 2:
