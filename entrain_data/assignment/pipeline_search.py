@@ -198,18 +198,28 @@ def _per_stage(
     else:
         totals = _module_totals(enc_cols, llm, valid) if layout is None else layout
         sh = proxy_stage_shares(totals, stages)  # [S, K]
+    trainable = frozen is None or not np.any(frozen)
+    if trainable:
+        e_f = e_b = enc_cols @ sh[:, :-1].T  # [R, n, S]
+    else:
+        fwd = _forward_shares(frozen, enc_cols.shape[-1])
+        e_f, e_b = (enc_cols * fwd) @ sh[:, :-1].T, (enc_cols * (1 - fwd)) @ sh[:, :-1].T
+    if compiled.enabled() and enc_cols.size:  # the masks and scalings below in one pass
+        from .search_kernel import stage_parts  # numba is imported with it
+
+        sh_l = np.ascontiguousarray(sh[:, -1], dtype=np.float64)
+        c = np.ascontiguousarray
+        return stage_parts(c(e_f), c(e_b), c(llm, dtype=np.float64), sh_l, c(valid),
+                           _FWD_SHARE, 1 - _FWD_SHARE, trainable)  # fmt: skip
     l_stage = llm[..., None] * sh[None, None, :, -1]
     zero = ~valid[..., None]
     lf = np.where(zero, 0.0, _FWD_SHARE * l_stage)
-    if frozen is None or not np.any(frozen):
-        e_stage = enc_cols @ sh[:, :-1].T  # [R, n, S]
-        ef = np.where(zero, 0.0, _FWD_SHARE * e_stage)
-        lb = np.where(zero, 0.0, (1 - _FWD_SHARE) * (e_stage + l_stage))
+    if trainable:
+        ef = np.where(zero, 0.0, _FWD_SHARE * e_f)
+        lb = np.where(zero, 0.0, (1 - _FWD_SHARE) * (e_f + l_stage))
         return ef, lf, lb
-    fwd = _forward_shares(frozen, enc_cols.shape[-1])
-    ef = np.where(zero, 0.0, (enc_cols * fwd) @ sh[:, :-1].T)
-    e_bwd = (enc_cols * (1 - fwd)) @ sh[:, :-1].T
-    lb = np.where(zero, 0.0, e_bwd + (1 - _FWD_SHARE) * l_stage)
+    ef = np.where(zero, 0.0, e_f)
+    lb = np.where(zero, 0.0, e_b + (1 - _FWD_SHARE) * l_stage)
     return ef, lf, lb
 
 
@@ -301,10 +311,19 @@ def depth_blind_pricer(rp: Replicas, depths: tuple[int, ...] = UNKNOWN_DEPTHS):
         l_all = _loads(lidx, with_l, valid, m)  # [R, M, E + 1]
         each = []
         for sh, (even, unit), topo in plans:
-            l_stage = l_all[..., -1:] * sh[:, -1]  # [R, M, S]
-            fwd = e_fwd @ sh[:, :-1].T + _FWD_SHARE * l_stage
-            bwd = l_all[..., :-1] @ sh[:, :-1].T + (1 - _FWD_SHARE) * l_stage
-            each.append(_pipeline_times(fwd, bwd, topo) / (unit if in_work else even))
+            mm_f, mm_b = e_fwd @ sh[:, :-1].T, l_all[..., :-1] @ sh[:, :-1].T  # [R, M, S]
+            if compiled.enabled():  # the same loads, built in the recurrence's lanes
+                from .search_kernel import shared_recurrence  # numba is imported with it
+
+                l_last = np.ascontiguousarray(l_all[..., -1])
+                t = shared_recurrence(mm_f, mm_b, l_last, sh[:, -1].copy(), _FWD_SHARE,
+                                      1 - _FWD_SHARE, topo)  # fmt: skip
+            else:
+                l_stage = l_all[..., -1:] * sh[:, -1]  # [R, M, S]
+                fwd = mm_f + _FWD_SHARE * l_stage
+                bwd = mm_b + (1 - _FWD_SHARE) * l_stage
+                t = _pipeline_times(fwd, bwd, topo)
+            each.append(t / (unit if in_work else even))
         each = np.array(each)  # [D, R]; summed in depth order, as before
         return each if per_depth else each.sum(axis=0) / len(plans)
 
