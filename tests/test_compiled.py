@@ -278,6 +278,31 @@ def test_proxy_loads_compiled_equals_numpy(stages):
     assert np.array_equal(fa, fb) and np.array_equal(ba, bb)
 
 
+@pytest.mark.parametrize("e, frozen", [(1, None), (2, None), (2, [True, False]), (3, [True] * 3)])
+def test_stage_costs_and_depth_blind_price_compiled_equal_numpy(e, frozen):
+    # the proxy's per-sample stage costs (pads zero) and the untold pick's price on 2, 4 and 8
+    # stages: the compiled twins build the same loads in one pass
+    from entrain_data.assignment.common import Inputs
+    from entrain_data.assignment.entrain import replicas_of
+    from entrain_data.assignment.pipeline_search import depth_blind_pricer, stage_costs
+
+    rng = np.random.default_rng(e)
+    dp, m, per = 5, 6, 9
+    enc, llm, tok, _ = _batch(rng, dp * per - 3, e)
+    fz = None if frozen is None else np.array(frozen)
+    x = Inputs(enc, llm, tok, dp, m, max_tokens=None, defer_budget=None, frozen=fz)
+    members = np.append(rng.permutation(len(llm)), [-1] * 3).reshape(dp, per)
+    rp = replicas_of(x, members)
+    a, b = _both(lambda: stage_costs(rp))
+    assert all(np.array_equal(u, v) for u, v in zip(a, b, strict=True))
+    assert all((u[~rp.valid] == 0).all() for u in b)
+    eidx = np.where(rp.valid, rng.integers(0, m, members.shape), -1)
+    lidx = np.where(rp.valid, np.minimum(eidx + rng.integers(0, 2, eidx.shape), m - 1), -1)
+    for kw in ({}, {"per_depth": True}, {"in_work": True}):
+        a, b = _both(lambda kw=kw: depth_blind_pricer(rp)(eidx, lidx, **kw))
+        assert np.array_equal(a, b)
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 10_000),
@@ -386,7 +411,7 @@ def test_search_room_beside_an_outlier_compiled_equals_numpy(seed):
     assert np.bincount(l_c[1], tok[1], m).max() <= peak  # no outlier: level 2's largest
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(6))
 def test_fluid_profile_compiled_equals_numpy(seed):
     """The light work's profile (``light_work.fluid_profile``): the compiled probes and the
     numpy ones (which build the loads) give the same descent, share for share."""
@@ -410,10 +435,12 @@ def test_fluid_profile_compiled_equals_numpy(seed):
 
     (t_np, a_np), (t_c, a_c) = _both(from_uneven)
     assert np.array_equal(t_np, t_c) and np.array_equal(a_np, a_c)
-    # within a CV bound that turns moves away (the compiled probes skip those)
-    hk, lk = rng.uniform(0.0, 2.0, (r_count, m, 2)), rng.uniform(1.0, 4.0, (r_count, 2))
+    # within a CV bound that turns moves away (the compiled descent skips those), on one to
+    # three modules, loose and tight
+    k = int(rng.integers(1, 4))
+    hk, lk = rng.uniform(0.0, 2.0, (r_count, m, k)), rng.uniform(1.0, 4.0, (r_count, k))
     start = np.full((r_count, m), 1.0 / m)
-    limit = _fluid_cv(hk, lk, start) * 1.05 + 0.01
+    limit = _fluid_cv(hk, lk, start) * (1.05 if seed % 2 else 1.001) + (0.01 if seed % 2 else 0)
 
     def bounded():
         return fluid_profile(fh, 2 * fh, fl, 2 * fl, upper, start, (hk, lk, limit))

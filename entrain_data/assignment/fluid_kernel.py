@@ -1,5 +1,4 @@
-"""Compiled twins of :func:`.light_work.fluid_profile`'s probes and descent (numba, when
-installed).
+"""Compiled twin of :func:`.light_work.fluid_profile`'s descent (numba, when installed).
 
 The descent prices ~140 probes a step (every microbatch's slope both ways, then 108 moves)
 for 32 steps on 16 replicas: on the rows whose light work is laid (``multi-image-video``,
@@ -9,9 +8,12 @@ one loop; the probes run side by side (:func:`.search_kernel._run_lanes`), group
 first op they change, latest first, so each group starts there: the ops before it end as
 the step's current shares' run does (every lane starts the step holding that run, and a
 group writes only ops from its own start on, which no later group, starting earlier, reads
-from the lanes). Results are identical to the numpy
-path: every probe is built and run with the same products, sums and maxima, the moves are
-drawn in the same order (stable ties) and the first of equal times wins, as numpy's
+from the lanes). Within a CV bound (the light work's bounded profile) a move that leaves
+it is not run: its CVs come from the same moments as :func:`.light_work._fluid_cv`'s, summed
+in the same order (compiled, that profile took ``llava-fixed``/vl-1b at 8192 / dp 128 on 4
+stages from 18 to 8 ms of the light work's fluid profiles). Results are identical to the
+numpy path: every probe is built and run with the same products, sums and maxima, the moves
+are drawn in the same order (stable ties) and the first of equal times wins, as numpy's
 argmin. ``tests/test_compiled.py`` compares the two.
 """
 
@@ -20,35 +22,9 @@ from __future__ import annotations
 import numpy as np
 
 from ..compiled import jit
-from .search_kernel import _LANES, _first_ops, _lanes, _run_changes, _run_lanes
+from .search_kernel import _first_ops, _lanes, _run_changes, _run_lanes
 
-__all__ = ["fluid_descent", "fluid_times"]
-
-
-@jit
-def fluid_times(fh, bh, fl, bl, shares, topo, keep):
-    """[R, P] iteration times of the forward loads ``fh + share * fl`` and backward loads
-    ``bh + share * bl`` for every [R, P, M] share (``fh``, ``bh`` [R, M, S]; ``fl``, ``bl``
-    [R, S]): :func:`.light_work.fluid_profile`'s probes, without building the [R, P, M, S]
-    loads (numpy's path builds them, with the same products and sums). A probe ``keep``
-    [R, P] does not hold is not run (its time is left infinite)."""
-    r_count, p_count, m = shares.shape
-    s_count = fh.shape[2]
-    prev, dep, load, last, times, ends, lane_t, held = _lanes(topo, m, s_count)
-    out = np.full((r_count, p_count), np.inf)
-    for r in range(r_count):
-        count = 0
-        for p in range(p_count):
-            if keep[r, p]:
-                _fill_probe(times, count, fh[r], bh[r], fl[r], bl[r], shares[r, p])
-                held[count] = p
-                count += 1
-            if count == _LANES or (count > 0 and p == p_count - 1):
-                _run_lanes(prev, dep, load, last, times, ends, count, lane_t, 0)
-                for c in range(count):
-                    out[r, held[c]] = lane_t[c]
-                count = 0
-    return out
+__all__ = ["fluid_descent"]
 
 
 @jit(inline=True)
@@ -64,14 +40,18 @@ def _fill_probe(times, c, fh, bh, fl, bl, share):
 
 
 @jit
-def fluid_descent(fh, bh, fl, bl, upper, share, goal, topo, steps, pairs, tries, min_step, step0):
+def fluid_descent(fh, bh, fl, bl, upper, share, goal, topo, steps, pairs, tries, min_step, step0,
+                  hc, hh, hm, lk, limit):  # fmt: skip
     """[R] times; ``share`` [R, M] updated in place: :func:`.light_work.fluid_profile`'s
-    descent without a CV bound (``steps``, ``pairs``, ``tries`` its ``_STEPS``, ``_PAIRS``,
-    ``_TRIES``; a replica stops once its slope step, from ``step0``, falls below
-    ``min_step``, or once its time is at most ``goal`` [R]). A probe changes one or two
-    microbatches' shares (``moved`` [P, 2], -1 for none; ``value`` [P, 2] their new
-    shares): the others' loads are the current shares' (numpy's ``a + 0`` and ``max(a,
-    0)`` of a share >= 0 give the same loads)."""
+    descent (``steps``, ``pairs``, ``tries`` its ``_STEPS``, ``_PAIRS``, ``_TRIES``; a
+    replica stops once its slope step, from ``step0``, falls below ``min_step``, or once its
+    time is at most ``goal`` [R]). A probe changes one or two microbatches' shares (``moved``
+    [P, 2], -1 for none; ``value`` [P, 2] their new shares): the others' loads are the
+    current shares' (numpy's ``a + 0`` and ``max(a, 0)`` of a share >= 0 give the same
+    loads). Within a CV bound where ``limit`` [R, K] has columns (K > 0): a move whose
+    share leaves it (:func:`_within_bound`, on ``hc`` [R, M, K] the heavy loads centred,
+    ``hh`` [R, K] their mean square, ``hm`` [R, K] their mean, ``lk`` [R, K] the light work's
+    totals) is not run, as the numpy path does not read its time."""
     r_count, m, s_count = fh.shape
     prev, dep, load, last, times, ends, lane_t, held = _lanes(topo, m, s_count)
     first = _first_ops(topo, m)
@@ -85,6 +65,7 @@ def fluid_descent(fh, bh, fl, bl, upper, share, goal, topo, steps, pairs, tries,
     loads = np.empty((n_probes, 2, 2, s_count))  # each probe's changed microbatches' loads
     add_order, take_order = np.empty(m, np.int64), np.empty(m, np.int64)
     cost = np.empty(m)
+    probe = np.empty(m)  # a move's shares, for its CVs
     cur = np.empty(r_count)
     for r in range(r_count):
         a = share[r].copy()
@@ -124,14 +105,18 @@ def fluid_descent(fh, bh, fl, bl, upper, share, goal, topo, steps, pairs, tries,
                         value[q, 0] = max(a[src] - amount, 0.0)
                         value[q, 1] = max(a[dst] + amount, 0.0)
                     starts[q] = min(first[src], first[dst])
-                    q += 1
-            _run_probes(prev, dep, load, last, times, ends, lane_t, held, fh[r], bh[r],
-                        fl[r], bl[r], a, moved, value, starts, base, loads, 2 * m, q, got)  # fmt: skip
+                    if limit.shape[1] == 0 or _within_bound(
+                        a, moved[q], value[q], hc[r], hh[r], hm[r], lk[r], limit[r], probe
+                    ):
+                        q += 1  # kept in order: the first of equal times still wins
+            if q > 2 * m:
+                _run_probes(prev, dep, load, last, times, ends, lane_t, held, fh[r], bh[r],
+                            fl[r], bl[r], a, moved, value, starts, base, loads, 2 * m, q, got)  # fmt: skip
             best = 2 * m
             for p in range(2 * m + 1, q):
                 if got[p] < got[best]:
                     best = p
-            if got[best] < cur[r] * (1 - 1e-9):
+            if q > 2 * m and got[best] < cur[r] * (1 - 1e-9):
                 for h in range(2):
                     if moved[best, h] >= 0:
                         a[moved[best, h]] = value[best, h]
@@ -180,3 +165,35 @@ def _smallest(values, k, out):
                 best = j
         taken[best] = True
         out[i] = best
+
+
+@jit(inline=True)
+def _within_bound(a, moved, value, hc, hh, hm, lk, limit, probe):
+    """Whether the shares ``a`` [M] with ``moved`` [2] (-1: none) set to ``value`` [2] keep
+    every module's fluid CV within ``limit`` [K]: :func:`.light_work._fluid_cv`'s moments,
+    with its products and sums in its order (``probe`` [M]: scratch)."""
+    m = a.shape[0]
+    for j in range(m):
+        probe[j] = a[j]
+    for h in range(2):
+        if moved[h] >= 0:
+            probe[moved[h]] = value[h]
+    s1 = probe[0]
+    for j in range(1, m):
+        s1 = s1 + probe[j]
+    s1 = s1 / m
+    ss = (probe[0] - s1) * (probe[0] - s1)
+    for j in range(1, m):
+        ss = ss + (probe[j] - s1) * (probe[j] - s1)
+    ss = ss / m
+    for k in range(limit.shape[0]):
+        cov = (probe[0] - s1) * hc[0, k]
+        for j in range(1, m):
+            cov = cov + (probe[j] - s1) * hc[j, k]
+        var = hh[k] + 2.0 * lk[k] * (cov / m) + lk[k] * lk[k] * ss
+        mean = hm[k] + lk[k] * s1
+        std = np.sqrt(max(var, 0.0))
+        cv = std / mean if mean > 0 else 0.0
+        if not cv <= limit[k] + 1e-12:
+            return False
+    return True

@@ -141,16 +141,9 @@ def fluid_profile(
         spare = np.maximum(room.sum(axis=1), 1e-12)[:, None]
         share = np.minimum(share + room * short / spare, upper)
 
-    def times(a: np.ndarray, g: np.ndarray, keep: np.ndarray | None = None) -> np.ndarray:
+    def times(a: np.ndarray, g: np.ndarray) -> np.ndarray:
         """[g, P]: the probes ``a`` [g, P, m] of rows ``g``, small changes of their present
-        shares (the compiled twin runs only those ``keep`` [g, P] holds: the others' times
-        are not read)."""
-        if compiled.enabled():
-            from .fluid_kernel import fluid_times  # numba is imported with it
-
-            c = np.ascontiguousarray
-            keep = np.ones(a.shape[:2], bool) if keep is None else keep
-            return fluid_times(fh[g], bh[g], fl[g], bl[g], c(a), topo, keep)
+        shares."""
         p = a.shape[1]
         f = fh[g, None] + a[..., None] * fl[g, None, None]
         b = bh[g, None] + a[..., None] * bl[g, None, None]
@@ -158,12 +151,19 @@ def fluid_profile(
         return _pipeline_times(f.reshape(shape), b.reshape(shape), topo).reshape(len(g), p)
 
     goal = np.zeros(r_count) if goal is None else goal
-    if spread is None and compiled.enabled():  # the whole descent compiled
+    if compiled.enabled():  # the whole descent compiled
         from .fluid_kernel import fluid_descent  # numba is imported with it
 
+        if spread is None:
+            bound = (np.zeros((r_count, m, 0)),) + (np.zeros((r_count, 0)),) * 4
+        else:  # the statistics of the heavy loads :func:`_fluid_cv` reads, per row
+            hk, lk, limit = spread
+            hc = hk - hk.mean(axis=-2, keepdims=True)
+            bound = (hc, (hc * hc).mean(axis=-2), hk.mean(axis=-2), lk, limit)
         min_step = _SLOPE_STEP / m / 2**_HALVINGS
+        c = np.ascontiguousarray
         cur = fluid_descent(fh, bh, fl, bl, upper, share, goal, topo, _STEPS, _PAIRS, _TRIES,
-                            min_step, _SLOPE_STEP / m)  # fmt: skip
+                            min_step, _SLOPE_STEP / m, *(c(b) for b in bound))  # fmt: skip
         return cur, share
     cur = times(share[:, None], np.arange(r_count))[:, 0]
     step = np.full(r_count, _SLOPE_STEP / m)
@@ -191,14 +191,11 @@ def fluid_profile(
         moves[rows[:, None], at, src] -= amount
         moves[rows[:, None], at, dst] += amount
         moves = np.maximum(moves, 0.0)
-        keep = None
+        got = times(moves, g)
         if spread is not None:  # the moves within the CV bound (a quarter, where it binds)
             hk, lk, limit = spread
             cv = _fluid_cv(hk[g], lk[g], moves)  # [g, P, K]
-            keep = (cv <= limit[g, None] + 1e-12).all(axis=2)
-        got = times(moves, g, keep)
-        if keep is not None:
-            got = np.where(keep, got, np.inf)
+            got = np.where((cv <= limit[g, None] + 1e-12).all(axis=2), got, np.inf)
         best = got.argmin(axis=1)
         better = got[rows, best] < cur[g] * (1 - 1e-9)
         share[g] = np.where(better[:, None], moves[rows, best], a)
@@ -468,20 +465,31 @@ def _fluid_cv(hk, lk, share) -> np.ndarray:
     step, and building their loads took it 1.7 ms a step at 8192 / dp 128 (the light work's
     largest cost on light-tailed rows). Centred, so nearly even loads keep their small CV
     (``tests/test_assignment_light_work.py`` holds it to :func:`.common.module_cv` of the
-    built loads)."""
+    built loads). The sums over microbatches run in index order, as the compiled descent
+    (:func:`.fluid_kernel.fluid_descent`) runs them."""
     probes = share.ndim == hk.ndim  # [R, P, m]: the row's statistics broadcast over P
     at = (slice(None), None) if probes else (slice(None),)
+    m = share.shape[-1]
     hc = hk - hk.mean(axis=-2, keepdims=True)  # [R, m, K]
-    s1 = share.mean(axis=-1, keepdims=True)
-    sc = share - s1
-    cov = (sc @ hc if probes else (sc[:, None, :] @ hc)[:, 0]) / share.shape[-1]
+    s1 = _sum_last(share) / m
+    sc = share - s1[..., None]
+    cov = sc[..., 0, None] * hc[:, 0][at]  # not a matrix product: its order is the BLAS's
+    for j in range(1, m):
+        cov = cov + sc[..., j, None] * hc[:, j][at]
     lk = lk[at]
-    var = (
-        (hc * hc).mean(axis=-2)[at] + 2.0 * lk * cov + lk * lk * (sc * sc).mean(axis=-1)[..., None]
-    )
-    mean = hk.mean(axis=-2)[at] + lk * s1
+    ss = _sum_last(sc * sc) / m
+    var = (hc * hc).mean(axis=-2)[at] + 2.0 * lk * (cov / m) + lk * lk * ss[..., None]
+    mean = hk.mean(axis=-2)[at] + lk * s1[..., None]
     std = np.sqrt(np.maximum(var, 0.0))
     return np.where(mean > 0, std / np.where(mean > 0, mean, 1.0), 0.0)
+
+
+def _sum_last(x: np.ndarray) -> np.ndarray:
+    """``x`` summed over its last axis in index order (numpy's sum adds in blocks)."""
+    out = x[..., 0]
+    for j in range(1, x.shape[-1]):
+        out = out + x[..., j]
+    return out
 
 
 def _towards(now, free, hk, lk, aim) -> np.ndarray:
