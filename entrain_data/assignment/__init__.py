@@ -97,7 +97,8 @@ def assign(
     ``encoder_patches`` ([B] or [B, E] integers, one column per encoder) with
     ``max_encoder_patches`` (one int, or one per encoder) caps the patches of every
     encoder set (entrain; a sample above the cap is an error). ``max_delay=K > 0``
-    (entrain, opt-in): a heavy sample may wait up to K iterations (see :mod:`.delay`);
+    (entrain, opt-in): a heavy sample (and light ones riding with it, where the caps leave
+    room) may wait up to K iterations (see :mod:`.delay`);
     the waiting ones are returned in ``carried`` and the caller prepends them to the
     next batch with ``ages`` (iterations each sample has waited so far) plus one.
     ``frozen_encoders`` (one bool, or one per encoder column) marks encoders that run

@@ -43,6 +43,17 @@ default depth alone, the light work laid for it made not delaying look cheaper t
 8 stages: `qwen2vl-dynamic`/vla-3b at 512 / dp 4 carried nothing, 0.9753 of `wlb_llm`, where
 carrying ran at 1.0748).
 
+Riders (:func:`_with_riders`). A landing stalls on its heavy samples, and with K = 2 a run
+lands every third iteration, while ``wlb_llm`` lands its whole queue once, at the end, amid
+a batch's light work that fills the stall. Where the winning option carries, :data:`RIDERS` of
+the fresh light samples (and the light ones already riding) may wait with the heavy ones:
+the iterations between landings lose that light work, the landing gains it where its stages
+waited anyway. Priced as the options are (1% cheaper than the winner), and only where a
+landing like this batch plus every carried sample fits the caps by the planner's rule, so a
+landing up to twice a batch never needs caps the plan did not give (long documents among
+short chats: the largest sample sets the cap, a mean set is a fraction of it). Frozen
+``mix:chat``/vla-3b at 512 / dp 4: 0.977 -> 1.011 of ``wlb_llm``.
+
 Every sample is still trained exactly once: the caller prepends the carried
 samples to the next global batch with their age plus one (see
 ``entrain_data/README.md``, "Assignment").
@@ -55,7 +66,8 @@ from dataclasses import replace
 import numpy as np
 
 from ..errors import InvalidInput
-from .common import Assignment, Inputs
+from ..token_caps import cap_rule
+from .common import Assignment, Inputs, rng_for
 from .entrain import assign_entrain, assign_entrain_priced
 
 __all__ = [
@@ -73,6 +85,9 @@ SHARES = (HEAVY_SHARE, 0.5)
 # an option that waits must be this much cheaper: the landing is an estimate (a batch like
 # this one), and at 0.1% it took delays that cost 1-2% (vision-audio at 512 / dp 4)
 GAIN = 0.01
+# of the fresh light samples, carried along with the heavy ones where that is cheaper (see
+# the module docstring: the landing's light work fills the stall of its heavy samples)
+RIDERS = 0.5
 
 
 def heavy_samples(x: Inputs, share: float = HEAVY_SHARE) -> np.ndarray:
@@ -132,29 +147,82 @@ def assign_delayed(x: Inputs, seed: int, iteration: int, flush: bool) -> Assignm
         return assign_entrain(whole, seed, iteration)
     best, best_cost, now, error = None, np.inf, None, None
     for carried in options:  # no delay first: ``now`` is its time
-        keep = np.setdiff1d(np.arange(x.n), carried)
         try:
-            option = whole if len(carried) == 0 else _rows(laid, keep)
-            a, t = assign_entrain_priced(option, seed, iteration)
-            cost = float(t.max())
-            if len(carried) == 0:
-                now = cost
-            elif now is not None:  # they land later in a batch like this one: price that
-                _, t_land = assign_entrain_priced(
-                    _rows(laid, np.concatenate([np.arange(x.n), carried])), seed, iteration
-                )
-                cost += float(t_land.max()) - now
+            a, cost = _priced(x, laid, whole, carried, now, seed, iteration)
         except InvalidInput as exc:  # a cap this option (or its landing) cannot meet
             error = error or exc
             continue
+        if len(carried) == 0:
+            now = cost
         if cost < best_cost * (1 - GAIN):
-            best_cost = cost
-            enc = [[keep[s] for s in row] for row in a.encoder_sets]
-            llm = [[keep[s] for s in row] for row in a.llm_sets]
-            best = Assignment(a.method, a.dp, a.microbatches, enc, llm, carried)
+            best, best_cost = a, cost
     if best is None:
         raise error
+    # the winner carries: the landing's light work could fill its stall too (riders)
+    ride = None
+    if len(best.carried) and now is not None:
+        ride = _with_riders(x, best.carried, seed, iteration)
+    if ride is not None:
+        try:
+            a, cost = _priced(x, laid, whole, ride, now, seed, iteration)
+        except InvalidInput:  # a cap the riders' option (or its landing) cannot meet
+            return best
+        if cost < best_cost * (1 - GAIN):
+            best = a
     return best
+
+
+def _priced(x: Inputs, laid: Inputs, whole: Inputs, carried, now, seed: int, it: int):
+    """(assignment, cost) of the option that carries ``carried``: this iteration's proxy
+    time, plus what the carried samples add to a batch like this one (``now``: its time;
+    None where no delay failed a cap: then this iteration's time alone)."""
+    keep = np.setdiff1d(np.arange(x.n), carried)
+    a, t = assign_entrain_priced(whole if len(carried) == 0 else _rows(laid, keep), seed, it)
+    cost = float(t.max())
+    if len(carried) and now is not None:  # they land later in a batch like this one
+        _, t_land = assign_entrain_priced(
+            _rows(laid, np.concatenate([np.arange(x.n), carried])), seed, it
+        )
+        cost += float(t_land.max()) - now
+    enc = [[keep[s] for s in row] for row in a.encoder_sets]
+    llm = [[keep[s] for s in row] for row in a.llm_sets]
+    return Assignment(a.method, a.dp, a.microbatches, enc, llm, carried), cost
+
+
+def _with_riders(x: Inputs, carried: np.ndarray, seed: int, iteration: int) -> np.ndarray | None:
+    """``carried`` with light samples riding along (indices, ascending): the riders already
+    carried (waiting less than ``max_delay``) and :data:`RIDERS` of the fresh light samples
+    (seeded draw); None where the rest could not fill every microbatch, or where a landing
+    like this batch plus all of them would need larger caps than ``x``'s by the planner's
+    rule (:func:`~entrain_data.token_caps.cap_rule`: 1.5x its mean set, the largest sample, a
+    replica's share), so that the landing's sets fit the caps the plan gave; where ``x`` has
+    none, larger than the rule gives this batch. Riders fit where the largest sample sets
+    the cap (long documents among short chats: a mean set is a fraction of it), not where
+    1.5x a mean set does (a landing twice a batch needs twice the mean set)."""
+    ages = np.zeros(x.n, np.int64) if x.ages is None else x.ages
+    light = np.ones(x.n, bool)
+    light[carried] = False
+    young = light & (ages < x.max_delay)
+    fresh = np.flatnonzero(young & (ages == 0))
+    drawn = fresh[rng_for(seed, iteration, 4).random(len(fresh)) < RIDERS]
+    ride = np.sort(np.concatenate([carried, np.flatnonzero(young & (ages > 0)), drawn]))
+    bins = x.dp * x.microbatches
+    if len(ride) == len(carried) or x.n - len(ride) < bins:
+        return None
+    land = np.concatenate([np.arange(x.n), ride])
+    sizes = [(x.tokens, x.max_tokens)]
+    if x.patches is not None:
+        caps = [None] * x.patches.shape[1] if x.patch_cap is None else x.patch_cap
+        sizes += [(x.patches[:, e], caps[e]) for e in range(x.patches.shape[1])]
+    for size, cap in sizes:
+        if _cap_need(x, size[land]) > (_cap_need(x, size) if cap is None else cap):
+            return None
+    return ride
+
+
+def _cap_need(x: Inputs, sizes: np.ndarray) -> int:
+    """The cap a batch of ``sizes`` (tokens or patches) needs by the planner's rule."""
+    return cap_rule(int(sizes.sum()), int(sizes.max(initial=0)), x.dp, x.microbatches)
 
 
 def fresh_layout(x: Inputs) -> np.ndarray:
