@@ -204,8 +204,8 @@ def replica_builder(x: Inputs) -> Callable[[np.ndarray], Replicas]:
     """``build(members) -> Replicas`` of ``x``'s samples (:func:`replicas_of`): the
     per-sample columns are laid out once, with a row of zeros after the last sample that
     every pad reads, so a build is one ``take`` per array. The stall shedding builds the
-    replicas again after every share it tries (at 65536 / dp 1024 the gathers and masks
-    cost 9 ms a build, 80 ms of ``real:common-voice-ps``'s assignment; one take each, 1)."""
+    replicas again after every share it tries: at 65536 / dp 1024 a build's gathers and masks
+    cost 9 ms (80 ms of ``real:common-voice-ps``'s assignment), its takes 0.8 ms."""
     e_count = x.enc.shape[1]
     patches = np.zeros((x.n, e_count), np.int64) if x.patches is None else x.patches
     # a sample with patches is encoded, and its patches count, even where a frozen or
