@@ -138,3 +138,28 @@ def tables(samples: int, seed: int, real: bool, mixes: bool = False) -> dict[str
         for name, mix in MIXES.items():
             out[f"mix:{name}"] = mixed_table(mix, samples, seed)
     return out
+
+
+def workload_names() -> list[str]:
+    """Every named synthetic workload, then ``real:NAME`` for each real table of
+    ../shared/data when present (the balance bench's rows without the mixes)."""
+    from entrain_data.workloads import list_workloads
+
+    real = [f"real:{n}" for n in list_real_workloads()] if SHARED_DATA.is_dir() else []
+    return list(list_workloads()) + real
+
+
+def workload_table(name: str, samples: int) -> SampleTable:
+    """A synthetic workload of ``samples`` rows (seed 0), or ``real:NAME`` from ../shared/data."""
+    if name.startswith("real:"):
+        return real_workload(name[len("real:") :], SHARED_DATA)
+    return synthesize(name, samples, seed=0)
+
+
+def drawn_batch(costs: SampleCosts, b: int, dp: int):
+    """(encoder costs, LLM costs, tokens, encoder patches) of ``b`` rows of ``costs`` drawn with
+    seed ``b + dp`` (with replacement where the table is smaller): the latency bench's batch."""
+    enc, llm, tok = costs.encoder_cost(), costs.llm_cost(), costs.llm_tokens
+    pt = costs.encoder_tokens.astype(np.int64)
+    rows = np.random.default_rng(b + dp).choice(len(enc), b, replace=len(enc) < b)
+    return enc[rows], llm[rows], tok[rows], pt[rows]

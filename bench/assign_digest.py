@@ -21,15 +21,19 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import DEFAULT_MODELS, SHARED_DATA, caps, model_costs, patch_caps  # noqa: E402
+from _common import (  # noqa: E402
+    DEFAULT_MODELS,
+    caps,
+    drawn_batch,
+    model_costs,
+    patch_caps,
+    workload_names,
+    workload_table,
+)
 
 from entrain_data.assignment import assign  # noqa: E402
-from entrain_data.real_workloads import list_real_workloads, real_workload  # noqa: E402
-from entrain_data.workloads import list_workloads, synthesize  # noqa: E402
 
 SETTINGS = ((512, 4, 32), (4096, 16, 16), (8192, 128, 16))
 # (pipeline_stages, frozen encoders, max_delay): untold, told frozen, told with delay
@@ -45,29 +49,20 @@ def main(argv=None) -> int:
     p.add_argument("--workloads", default="", help="comma-separated subset (default: all)")
     p.add_argument("--iteration", type=int, default=1, help="assign's iteration (its draws)")
     args = p.parse_args(argv)
-    real = [f"real:{n}" for n in list_real_workloads()] if SHARED_DATA.is_dir() else []
-    known = list(list_workloads()) + real
+    known = workload_names()
     names = [w for w in args.workloads.split(",") if w] or known
     unknown = [n for n in names if n not in known]
     if unknown:
         p.error(f"unknown workload {unknown} (real: ones need ../shared/data)")
     lines = []
     for name in names:
-        if name.startswith("real:"):
-            table = real_workload(name[len("real:") :], SHARED_DATA)
-        else:
-            table = synthesize(name, 65536, seed=0)
+        table = workload_table(name, 65536)
         for model in DEFAULT_MODELS:
             costs = model_costs(model, table, frozen=False)
             if costs is None:  # the model has no encoder for this workload's media
                 continue
-            enc_all, llm_all, tok_all = costs.encoder_cost(), costs.llm_cost(), costs.llm_tokens
-            pt_all = costs.encoder_tokens.astype(np.int64)
             for b, dp, m in SETTINGS:
-                rows = np.random.default_rng(b + dp).choice(
-                    len(enc_all), b, replace=len(enc_all) < b
-                )
-                enc, llm, tok, pt = enc_all[rows], llm_all[rows], tok_all[rows], pt_all[rows]
+                enc, llm, tok, pt = drawn_batch(costs, b, dp)
                 cap, budget = caps(tok, dp, m)
                 for pp, frozen, delay in CASES:
                     if b == 4096 and pp is None:

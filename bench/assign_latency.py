@@ -27,24 +27,23 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import DEFAULT_MODELS, MODELS, RESULTS, SHARED_DATA, caps, model_costs, patch_caps  # noqa: E402
+from _common import (  # noqa: E402
+    DEFAULT_MODELS,
+    MODELS,
+    RESULTS,
+    caps,
+    drawn_batch,
+    model_costs,
+    patch_caps,
+    workload_names,
+    workload_table,
+)
 
 from entrain_data.assignment import CAP_AWARE, METHODS, PATCH_CAP_AWARE, assign  # noqa: E402
-from entrain_data.real_workloads import list_real_workloads, real_workload  # noqa: E402
-from entrain_data.workloads import list_workloads, synthesize  # noqa: E402
-
-
-def _table(name: str, samples: int):
-    """A synthetic workload of ``samples`` rows (seed 0), or ``real:NAME`` from ../shared/data."""
-    if name.startswith("real:"):
-        return real_workload(name[len("real:") :], SHARED_DATA)
-    return synthesize(name, samples, seed=0)
 
 
 def _measure(args, name: str, model: str, costs, sizes: list[int]) -> list[dict]:
     """Median wall and CPU ms of every method, batch size and dp on one workload and model."""
-    enc_all, llm_all, tok_all = costs.encoder_cost(), costs.llm_cost(), costs.llm_tokens
-    pt_all = costs.encoder_tokens.astype(np.int64)
     out = []
     for method in args.methods.split(","):
         for b in sizes:
@@ -54,9 +53,7 @@ def _measure(args, name: str, model: str, costs, sizes: list[int]) -> list[dict]
                     continue
                 if method in ("megatron_dp_balanced", "wlb_llm") and b > 8192:
                     continue  # per-sample Python loops, as the peers' own code: minutes at 64k
-                rng = np.random.default_rng(b + dp)
-                rows = rng.choice(len(enc_all), b, replace=len(enc_all) < b)  # real tables: small
-                enc, llm, tok, pt = enc_all[rows], llm_all[rows], tok_all[rows], pt_all[rows]
+                enc, llm, tok, pt = drawn_batch(costs, b, dp)  # real tables: small
                 cap, budget = caps(tok, dp, m)
                 pcap = patch_caps(pt, dp, m) if method in PATCH_CAP_AWARE else None
                 kw = dict(
@@ -112,8 +109,7 @@ def main(argv=None) -> int:
     p.add_argument("--frozen-encoders", action="store_true", help="encoders run forward only")
     args = p.parse_args(argv)
     sizes = [int(b) for b in args.batches.split(",")]
-    real = [f"real:{n}" for n in list_real_workloads()] if SHARED_DATA.is_dir() else []
-    known = list(list_workloads()) + real
+    known = workload_names()
     names = known if args.workload == "all" else args.workload.split(",")
     models = list(DEFAULT_MODELS) if args.model == "all" else args.model.split(",")
     unknown = [n for n in names if n not in known] + [m for m in models if m not in MODELS]
@@ -123,7 +119,7 @@ def main(argv=None) -> int:
     print(f"{'workload':24s} {'model':11s} {'method':22s} {'B':>6s} {'dp':>4s} {'M':>3s} "
           f"{'wall ms':>9s} {'cpu ms':>8s}")  # fmt: skip
     for name in names:
-        table = _table(name, max(sizes))  # read or synthesised once, priced per model
+        table = workload_table(name, max(sizes))  # read or synthesised once, priced per model
         for model in models:
             costs = model_costs(model, table, frozen=args.frozen_encoders)
             if costs is None:

@@ -158,8 +158,7 @@ def fluid_profile(
             bound = (np.zeros((r_count, m, 0)),) + (np.zeros((r_count, 0)),) * 4
         else:  # the statistics of the heavy loads :func:`_fluid_cv` reads, per row
             hk, lk, limit = spread
-            hc = hk - hk.mean(axis=-2, keepdims=True)
-            bound = (hc, (hc * hc).mean(axis=-2), hk.mean(axis=-2), lk, limit)
+            bound = (*_heavy_moments(hk), lk, limit)
         min_step = _SLOPE_STEP / m / 2**_HALVINGS
         c = np.ascontiguousarray
         cur = fluid_descent(fh, bh, fl, bl, upper, share, goal, topo, _STEPS, _PAIRS, _TRIES,
@@ -470,7 +469,7 @@ def _fluid_cv(hk, lk, share) -> np.ndarray:
     probes = share.ndim == hk.ndim  # [R, P, m]: the row's statistics broadcast over P
     at = (slice(None), None) if probes else (slice(None),)
     m = share.shape[-1]
-    hc = hk - hk.mean(axis=-2, keepdims=True)  # [R, m, K]
+    hc, hh, hm = _heavy_moments(hk)
     s1 = _sum_last(share) / m
     sc = share - s1[..., None]
     cov = sc[..., 0, None] * hc[:, 0][at]  # not a matrix product: its order is the BLAS's
@@ -478,10 +477,17 @@ def _fluid_cv(hk, lk, share) -> np.ndarray:
         cov = cov + sc[..., j, None] * hc[:, j][at]
     lk = lk[at]
     ss = _sum_last(sc * sc) / m
-    var = (hc * hc).mean(axis=-2)[at] + 2.0 * lk * (cov / m) + lk * lk * ss[..., None]
-    mean = hk.mean(axis=-2)[at] + lk * s1[..., None]
+    var = hh[at] + 2.0 * lk * (cov / m) + lk * lk * ss[..., None]
+    mean = hm[at] + lk * s1[..., None]
     std = np.sqrt(np.maximum(var, 0.0))
     return np.where(mean > 0, std / np.where(mean > 0, mean, 1.0), 0.0)
+
+
+def _heavy_moments(hk: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The heavy loads' moments :func:`_fluid_cv` reads (``hk`` [R, m, K]): centred [R, m, K],
+    their mean square [R, K] and their mean [R, K]; the compiled descent takes the same."""
+    hc = hk - hk.mean(axis=-2, keepdims=True)
+    return hc, (hc * hc).mean(axis=-2), hk.mean(axis=-2)
 
 
 def _sum_last(x: np.ndarray) -> np.ndarray:
