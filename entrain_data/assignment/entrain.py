@@ -118,6 +118,7 @@ from .llm_sets import (
     repair_joint,
 )
 from .pipeline_search import (
+    SEARCH_FOCUS,
     UNKNOWN_DEPTHS,
     depth_blind_pricer,
     proxy_times,
@@ -161,6 +162,9 @@ _ENC_FIRST = 16
 # a replica slower than the others can be may take a less even candidate, each module's
 # CV within this share of a random equal-count cut's (see _stragglers)
 _STRAGGLER_CV = 0.75
+# ... "slower" counted from up to this share below the slowest replica's best reach, times the
+# share of replicas a pass of the pipeline search leaves out (see _stragglers)
+_SEARCH_GAIN = 0.02
 # with several encoders their summed load is a module (Replicas.module_costs): the vector
 # candidates count its squared deviation this many times a column's (at 1 the sum of two
 # near-constant encoders stayed 0.036 against sequential's 0.019, at 4 0.009-0.012)
@@ -573,6 +577,20 @@ def _stragglers(rp: Replicas, scored, cvs, keys, pick, best_key, price):
     than the floor takes, of the candidates that reach it within that bound, the best
     balanced (lowest score); the others keep their pick. Where the slowest replica cannot
     be faster nothing changes.
+
+    With more replicas than a pass of the pipeline search takes (its ``SEARCH_FOCUS``), the
+    floor sits up to ``_SEARCH_GAIN`` lower, times the share of replicas a pass leaves out
+    (none up to 32 replicas, 1.5% at 128), and never below a replica's own reach. The
+    search then gives the slowest replicas the most moves, and deferring sets gain little
+    from it: a replica a little faster than the floor kept them, the slowest was searched
+    below it, and it set the iteration (untold at 8192 / dp 128, `mix:captions`/vla-3b: its
+    picked sets priced 1.090 where shaped joint ones priced 1.073, and 0.997 of `verl_kk`
+    in the balance bench; 1.001 with the margin). Where the depth is not told, a replica
+    takes such a candidate only where no depth of the hedged price runs it slower than its
+    pick (without that check, `mix:video`/vl-1b run on 8 stages went 1.004 -> 0.994 of the
+    best keeping peer; with it, 1.004). Where every replica gets the whole search, nothing
+    changes: there a margin cost balance and bought no time (512 / dp 4: the encoder CV
+    6.3x below `sequential`'s became 5.0x).
     """
     bound = _STRAGGLER_CV * rp.cut_cv
     if rp.depth_known:  # priced on the plan's depth; a hedged price keeps the bound as is
@@ -595,13 +613,31 @@ def _stragglers(rp: Replicas, scored, cvs, keys, pick, best_key, price):
     reach = np.minimum(times.min(axis=0), best_key)
     if not np.isfinite(reach).any():
         return pick, best_key
-    floor = float(reach[np.isfinite(reach)].max())
+    top = float(reach[np.isfinite(reach)].max())
+    left_out = max(0.0, 1.0 - SEARCH_FOCUS / len(pick))
+    floor = top * (1 - _SEARCH_GAIN * left_out)
+    floor = np.where(np.isfinite(reach), np.maximum(floor, reach), floor)  # [R], each's own
     score = np.array([sc for _, _, sc, _ in scored])
     by_score = np.where(times <= floor * (1 + 1e-9), score, np.inf)
     alt = by_score.argmin(axis=0)
     slow = np.isfinite(best_key) & (best_key > floor * (1 + 1e-6))
     sw = slow & np.isfinite(by_score.min(axis=0))
+    near = sw & (best_key <= top * (1 + 1e-6))  # taken for the margin alone
+    if near.any() and not rp.depth_known:  # hedged: no depth may run it slower
+        sw &= ~near | _no_depth_slower(scored, alt, pick, price)
     return np.where(sw, alt, pick), np.where(sw, times[alt, np.arange(len(pick))], best_key)
+
+
+def _no_depth_slower(scored, alt, pick, price) -> np.ndarray:
+    """[R] whether candidate ``alt`` runs no slower than ``pick`` on every depth the hedged
+    ``price`` (:func:`.pipeline_search.depth_blind_pricer`) averages."""
+    rows = np.arange(len(pick))
+    e = np.stack([c[0] for c in scored])  # [C, R, n]
+    ll = np.stack([c[1] for c in scored])
+    chosen = np.maximum(pick, 0)  # a replica with no usable pick is not switched
+    d_alt = price(e[alt, rows], ll[alt, rows], per_depth=True)
+    d_pick = price(e[chosen, rows], ll[chosen, rows], per_depth=True)
+    return (d_alt <= d_pick * (1 + 1e-9)).all(axis=0)
 
 
 def _edges_light(eidx, lidx, valid, work, m, keep=None):

@@ -53,6 +53,7 @@ from ..simulator import simulate_pipeline, topological_order
 from .common import DEFAULT_PIPELINE_STAGES, Replicas, module_cv, random_cut_cv, slot_sums
 
 __all__ = [
+    "SEARCH_FOCUS",
     "UNKNOWN_DEPTHS",
     "cv_limits",
     "depth_blind_pricer",
@@ -67,7 +68,7 @@ __all__ = [
 _FWD_SHARE = 1.0 / 3.0  # forward share of a trainable module's forward + backward cost
 _CANDIDATES = 32  # moves tried per replica and round
 _ROUNDS = 64
-_FOCUS = 32  # replicas searched per pass when there are more (the slowest ones)
+SEARCH_FOCUS = 32  # replicas searched per pass when there are more (the slowest ones)
 _PASS_ROUNDS = 16  # rounds per pass over the slowest replicas
 _LAST_FOCUS = 4  # after the passes, the slowest replicas get one more, with more candidates
 _LAST_ROUNDS = 32
@@ -377,9 +378,9 @@ def refine_slowest(
     stage: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The search where it pays: the iteration lasts as long as its slowest replica, so
-    with many replicas every pass searches only the ``_FOCUS`` slowest (by proxy time,
+    with many replicas every pass searches only the ``SEARCH_FOCUS`` slowest (by proxy time,
     re-ranked after each pass) with more candidates each. The work is then bounded by
-    ``_FOCUS`` x candidates x ``_ROUNDS`` at any dp: one algorithm for every size.
+    ``SEARCH_FOCUS`` x candidates x ``_ROUNDS`` at any dp: one algorithm for every size.
 
     A last pass gives the ``_LAST_FOCUS`` slowest replicas ``_LAST_ROUNDS`` rounds with the
     whole candidate budget between them (32 moves each a round, against 4 among 32 replicas):
@@ -390,7 +391,7 @@ def refine_slowest(
     stage = stage_costs(rp) if stage is None else stage
     if r_count <= _LAST_FOCUS:
         return refine_by_pipeline(rp, eidx, lidx, rng, stage=stage)
-    if r_count <= _FOCUS:
+    if r_count <= SEARCH_FOCUS:
         eidx, lidx = refine_by_pipeline(rp, eidx, lidx, rng, stage=stage)
         cur = proxy_times(rp, eidx, lidx, stage)
     else:
@@ -405,12 +406,12 @@ def refine_slowest(
 
 
 def _focused_passes(rp, eidx, lidx, rng, stage):
-    """Passes over the ``_FOCUS`` slowest replicas, re-ranked after each; the sets and
+    """Passes over the ``SEARCH_FOCUS`` slowest replicas, re-ranked after each; the sets and
     every replica's proxy time after them (a pass re-prices only the replicas it searched)."""
     eidx, lidx = eidx.copy(), lidx.copy()
     cur = proxy_times(rp, eidx, lidx, stage)
     for _ in range(_ROUNDS // _PASS_ROUNDS):
-        act = np.sort(np.argsort(-cur, kind="stable")[:_FOCUS])
+        act = np.sort(np.argsort(-cur, kind="stable")[:SEARCH_FOCUS])
         sub, st = rp.take(act), stage_rows(stage, act)
         e_a, l_a = refine_by_pipeline(sub, eidx[act], lidx[act], rng, _PASS_ROUNDS, stage=st)
         eidx[act], lidx[act] = e_a, l_a
