@@ -529,12 +529,7 @@ def _pick(
         best_key = np.where(take, sh_key, best_key)
         pick = np.where(take, sh, pick)
     pick, best_key = _stragglers(rp, scored, cvs, keys, pick, best_key, price)
-    eidx = np.zeros_like(cands[0].eidx)
-    lidx = np.zeros_like(eidx)
-    for i, (e_eff, cl, _, _) in enumerate(scored):
-        sel = pick == i
-        eidx = np.where(sel[:, None], e_eff, eidx)
-        lidx = np.where(sel[:, None], cl, lidx)
+    eidx, lidx = _taken(scored, pick)
     for r in np.flatnonzero(~np.isfinite(best_key)):
         v = valid[r]
         joint = ffd_joint(
@@ -631,13 +626,21 @@ def _stragglers(rp: Replicas, scored, cvs, keys, pick, best_key, price):
 def _no_depth_slower(scored, alt, pick, price) -> np.ndarray:
     """[R] whether candidate ``alt`` runs no slower than ``pick`` on every depth the hedged
     ``price`` (:func:`.pipeline_search.depth_blind_pricer`) averages."""
-    rows = np.arange(len(pick))
-    e = np.stack([c[0] for c in scored])  # [C, R, n]
-    ll = np.stack([c[1] for c in scored])
-    chosen = np.maximum(pick, 0)  # a replica with no usable pick is not switched
-    d_alt = price(e[alt, rows], ll[alt, rows], per_depth=True)
-    d_pick = price(e[chosen, rows], ll[chosen, rows], per_depth=True)
+    d_alt = price(*_taken(scored, alt), per_depth=True)
+    d_pick = price(*_taken(scored, pick), per_depth=True)
     return (d_alt <= d_pick * (1 + 1e-9)).all(axis=0)
+
+
+def _taken(scored, which: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """([R, n] E, [R, n] L microbatch) of candidate ``which[r]`` of ``scored`` on every
+    replica r (0 where ``which`` names none)."""
+    eidx = np.zeros_like(scored[0][0])
+    lidx = np.zeros_like(eidx)
+    for i, (e_eff, cl, _, _) in enumerate(scored):
+        sel = which == i
+        eidx = np.where(sel[:, None], e_eff, eidx)
+        lidx = np.where(sel[:, None], cl, lidx)
+    return eidx, lidx
 
 
 def _edges_light(eidx, lidx, valid, work, m, keep=None):
